@@ -1,0 +1,43 @@
+"""EngineArgs: every engine knob in one dataclass. CLI flags map to it one to one."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # model folder; None = the bundled demo model
+    tokenizer: str | None = None  # defaults to the model folder
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_model_len: int | None = None  # defaults to max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # per-step token budget; default 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None  # fixes the KV cache size; else from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int | None = None  # CPU default: min(4 GiB, 30% of available memory)
+    seed: int = 0
+    scheduling_policy: str = "fcfs"  # fcfs | priority
+    device: str = "auto"  # auto | cuda | xpu | cpu
+    kernels: str = "auto"  # auto | torch
+    generation_config: str = "auto"  # auto (model folder) | a folder | "vllm" (ignore the model's)
+    served_model_name: str | None = None
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
+                     "kv_cache_memory_bytes"):  # fmt: skip
+            positive(name)
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two from 1 to 128, got {self.block_size}")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)} - {"extra"}

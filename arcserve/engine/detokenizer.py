@@ -1,0 +1,80 @@
+"""Incremental detokenization and stop strings.
+
+Text is decoded from a sliding window of token ids: decode(window) minus decode(window without the
+newest tokens) is the new text. The window starts with a few prompt tokens so that tokenizers that
+drop a leading space at the start of a decode (SentencePiece) or merge bytes across tokens (byte-level
+BPE) produce the same text as decoding everything at once. Text ending in U+FFFD (an incomplete
+UTF-8 sequence) is held back until the next token completes it.
+
+Ids the tokenizer does not know (checkpoints pad vocab_size past the tokenizer) decode to nothing.
+"""
+
+from __future__ import annotations
+
+_CONTEXT = 5  # prompt tokens kept in front of the window
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_len = len(tokenizer)
+        self.skip_special = skip_special_tokens
+        self.stop = stop or []
+        self.include_stop = include_stop_str_in_output
+        # Stop strings can straddle deltas: keep this many trailing chars unsent until we know.
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.ids = [t for t in prompt_token_ids[-_CONTEXT:] if t < self.vocab_len]
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self.sent = 0  # chars of text already handed out as deltas
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
+    def add_token(self, token: int) -> str | None:
+        """Append a token; return the stop string if the text now contains one (text is trimmed)."""
+        if token < self.vocab_len:
+            self.ids.append(token)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None
+        before = len(self.text)
+        self.text += full[len(prefix) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self._check_stop(before)
+
+    def _check_stop(self, before: int) -> str | None:
+        for s in self.stop:
+            i = self.text.find(s, max(0, before - len(s) + 1))
+            if i != -1:
+                self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+                return s
+        return None
+
+    def flush(self) -> None:
+        """At the end: emit whatever is pending, even an incomplete character."""
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix):
+            self.text += full[len(prefix) :]
+        self.prefix_offset = self.read_offset = len(self.ids)
+
+    def delta(self, finished: bool) -> str:
+        """New text since the last call, holding back a possible partial stop string."""
+        end = len(self.text) if finished else max(self.sent, len(self.text) - self.holdback)
+        out = self.text[self.sent : end]
+        self.sent = end
+        return out
+
+    def visible_text(self, finished: bool) -> str:
+        end = len(self.text) if finished else max(self.sent, len(self.text) - self.holdback)
+        return self.text[:end]

@@ -1,0 +1,232 @@
+"""LLMEngine: the synchronous engine the offline API, the server and researchers drive.
+
+step() = schedule -> execute (runner) -> update (scheduler) -> detokenize / stop strings -> outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from arcserve.config import EngineArgs
+from arcserve.engine.kv_cache import KVCacheManager
+from arcserve.engine.output_processor import OutputProcessor, RequestGroup
+from arcserve.engine.policy import make_policy
+from arcserve.engine.request import Request, RequestStatus
+from arcserve.engine.runner import ModelRunner, kv_cache_bytes_per_block
+from arcserve.engine.scheduler import Scheduler
+from arcserve.kernels import get_ops
+from arcserve.models.config import ModelConfig
+from arcserve.models.hf_files import load_generation_defaults, load_tokenizer
+from arcserve.models.loader import load_model
+from arcserve.outputs import RequestOutput
+from arcserve.platform import memory_info, resolve_device
+from arcserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("arcserve")
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+_CPU_KV_DEFAULT = 4 << 30
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        if args.model is None:
+            from arcserve.models.demo import demo_model_dir
+
+            args.model = str(demo_model_dir())
+        self.args = args
+        self.model_config = cfg = ModelConfig.from_dir(args.model)
+        self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        self.generation_defaults = load_generation_defaults(args.generation_config, args.model)
+        eos = set(cfg.eos_token_ids) | set(self.generation_defaults.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.chat_template: str | None = None  # overrides the tokenizer's (server --chat-template)
+        self.max_model_len = args.max_model_len or cfg.max_position_embeddings
+        self.device = resolve_device(args.device)
+        self.dtype = cfg.resolve_dtype(args.dtype)
+        torch.manual_seed(args.seed)
+
+        t0 = time.time()
+        ops = get_ops(args.kernels, self.device.type)
+        self.model = load_model(cfg, self.dtype, self.device, ops, self.max_model_len)
+        logger.info(
+            "Loaded %s (%s, %d layers) as %s on %s in %.1f s", args.model, cfg.architecture,
+            cfg.num_layers, str(self.dtype).removeprefix("torch."), self.device, time.time() - t0,
+        )  # fmt: skip
+        num_blocks = self._num_kv_blocks()
+        self.runner = ModelRunner(self.model, num_blocks, args.block_size, args.seed)
+        self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.max_num_batched_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        self.scheduler = Scheduler(
+            self.kv, make_policy(args.scheduling_policy), args.max_num_seqs,
+            self.max_num_batched_tokens, self.max_model_len,
+        )  # fmt: skip
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    # ---- startup ----------------------------------------------------------------------------
+    def _num_kv_blocks(self) -> int:
+        a = self.args
+        per_block = kv_cache_bytes_per_block(self.model, a.block_size)
+        if a.num_kv_blocks is not None:
+            num_blocks = a.num_kv_blocks
+        else:
+            budget = a.kv_cache_memory_bytes
+            if budget is None:
+                free, _ = memory_info(self.device)
+                budget = min(_CPU_KV_DEFAULT, int(free * 0.3))
+            num_blocks = budget // per_block
+        tokens = num_blocks * a.block_size
+        if tokens < self.max_model_len:
+            raise ValueError(
+                f"The KV cache holds {num_blocks} blocks = {tokens} tokens, too few for one sequence "
+                f"of max_model_len {self.max_model_len}. The largest max_model_len that fits is "
+                f"{tokens}: lower max_model_len or give the KV cache more memory/blocks."
+            )
+        logger.info(
+            "KV cache: %d blocks = %d tokens; max concurrency at max_model_len %d: %.2f",
+            num_blocks, tokens, self.max_model_len, tokens / self.max_model_len,
+        )  # fmt: skip
+        return num_blocks
+
+    # ---- requests ---------------------------------------------------------------------------
+    def default_sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.generation_defaults.sampling)
+
+    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(
+            "prompt must be a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'"
+        )
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> tuple[str, list[int]]:
+        """Render a conversation with the tokenizer's (or the given) chat template; returns
+        (text, token ids). The template supplies any BOS token itself."""
+        template = chat_template or self.chat_template
+        if template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                "This model's tokenizer has no chat template; pass one (chat_template=, --chat-template)"
+            )
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"Each chat message needs 'role' and 'content'; got {m!r}")
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            chat_template=template, **(chat_template_kwargs or {}),
+        )  # fmt: skip
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Validate and queue a request. Raises ValueError (and changes nothing) on bad input."""
+        if request_id in self.outputs.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = params or self.default_sampling_params()
+        text, ids = self.tokenize_prompt(prompt)
+        self._validate(ids, params)
+        params = params.clone()
+        params._eos_token_ids = self.eos_token_ids
+        max_tokens = self.max_model_len - len(ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        group = RequestGroup(request_id, text, ids, params)
+        arrival = arrival_time or time.time()
+        children = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            req = Request(child_id, ids, params, max_tokens, arrival, priority)
+            if params.seed is not None:
+                req.generator = torch.Generator(device=self.device)
+                req.generator.manual_seed(params.seed + i)
+            children.append(req)
+        self.outputs.add(group, children)
+        self.num_prompt_tokens += len(ids)
+        for req in children:
+            self.scheduler.add_request(req)
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("The prompt is empty; give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"The prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
+                f"(the prompt plus at least one generated token must fit)"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"Token ids must be in [0, {vocab}); got {bad[:5]}")
+        for t in list(params.logit_bias or {}) + params.stop_token_ids:
+            if t >= vocab:
+                raise ValueError(f"Token id {t} in logit_bias/stop_token_ids is outside [0, {vocab})")
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            group = self.outputs.remove(rid)
+            if group is None:
+                continue
+            for s in group.seqs:
+                self.scheduler.finish_request(s.req.request_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.outputs.groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.outputs.groups)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.runner.execute(sched)
+        got = self.scheduler.update(sched, result.tokens)
+        self.num_generation_tokens += len(got)
+        touched: dict[str, RequestGroup] = {}
+        for req in got:
+            token = req.token_ids[-1]
+            stop_str = self.outputs.on_token(req, token, result.logprobs.get(req.request_id))
+            if stop_str is not None:  # a stop string wins over a length stop in the same step
+                if req.is_finished:
+                    req.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            if req.is_finished:
+                self.outputs.on_finish(req, req.status.value, stop_str if stop_str is not None else req.stop_reason)
+            group, _ = self.outputs.seq_of[req.request_id]
+            touched[group.request_id] = group
+        outs = []
+        for group in touched.values():
+            out = self.outputs.make_output(group)
+            if out is not None:
+                outs.append(out)
+            if group.finished:
+                self.outputs.remove(group.request_id)
+        return outs

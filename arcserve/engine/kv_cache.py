@@ -1,0 +1,180 @@
+"""Paged KV cache bookkeeping: BlockPool (blocks, ref counts, prefix hashes, LRU) and KVCacheManager.
+
+Only ids and counts live here; the KV tensors belong to the runner. A block is identified by its
+index into the runner's KV tensors.
+
+Prefix caching: every *full* block of a request gets a chained hash (its parent's hash plus its own
+token ids), so equal hashes mean equal token prefixes. A block whose ref count drops to zero goes to
+the back of the free queue but keeps its hash: until it is handed out again (oldest first), a new
+request with the same prefix takes it back instead of recomputing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from arcserve.engine.request import Request
+
+_ROOT_HASH = b"arcserve-root"
+
+
+def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+class NoFreeBlocks(Exception):
+    pass
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        # Free blocks, oldest first; the front is handed out (and its hash evicted) first.
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[bytes, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (free blocks that still hold a cached prefix count as free)."""
+        return 1.0 - self.num_free / self.num_blocks
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free_queue):
+            raise NoFreeBlocks
+        out = []
+        for _ in range(n):
+            block, _ = self.free_queue.popitem(last=False)
+            h = self.block_hash[block]
+            if h is not None:
+                if self.cached.get(h) == block:
+                    del self.cached[h]
+                self.block_hash[block] = None
+            self.ref_cnt[block] = 1
+            out.append(block)
+        return out
+
+    def take_cached(self, blocks: list[int]) -> None:
+        """Add a reference to prefix-cache hits (pulling free ones out of the free queue)."""
+        for b in blocks:
+            if self.ref_cnt[b] == 0:
+                del self.free_queue[b]
+            self.ref_cnt[b] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference from each block; pass tail blocks first so they are evicted first."""
+        for b in blocks:
+            assert self.ref_cnt[b] > 0, f"double free of block {b}"
+            self.ref_cnt[b] -= 1
+            if self.ref_cnt[b] == 0:
+                self.free_queue[b] = None
+
+    def cache(self, block: int, h: bytes) -> None:
+        self.block_hash[block] = h
+        self.cached.setdefault(h, block)
+
+    def lookup(self, h: bytes) -> int | None:
+        return self.cached.get(h)
+
+    def reset_prefix_cache(self) -> None:
+        for b in self.free_queue:
+            self.block_hash[b] = None
+        self.cached = {h: b for h, b in self.cached.items() if self.ref_cnt[b] > 0}
+
+
+class KVCacheManager:
+    """Per-request block tables on top of a BlockPool."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.blocks: dict[str, list[int]] = {}
+        self._num_hashed: dict[str, int] = {}  # how many of a request's blocks are registered
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # tokens found there
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.blocks[request_id]
+
+    def _ensure_hashes(self, req: Request, num_full: int) -> None:
+        bs = self.block_size
+        hashes = req.block_hashes
+        while len(hashes) < num_full:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else _ROOT_HASH
+            hashes.append(hash_block(parent, req.token_ids[i * bs : (i + 1) * bs]))
+
+    def find_cached_prefix(self, req: Request) -> list[int]:
+        """Blocks holding the longest cached prefix of `req`, never covering its last token
+        (that token must run through the model to produce logits)."""
+        if not self.enable_prefix_caching:
+            return []
+        num_full = (req.num_tokens - 1) // self.block_size
+        self._ensure_hashes(req, num_full)
+        hits = []
+        for h in req.block_hashes[:num_full]:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hits.append(b)
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits
+
+    def allocate(self, req: Request, num_new_tokens: int, cached: list[int] | None = None) -> bool:
+        """Give `req` blocks for `num_new_tokens` more tokens after its computed ones (plus the
+        prefix-cache hits `cached`, for a request without blocks). False, with nothing changed,
+        when too few blocks are free."""
+        cached = cached or []
+        held = self.blocks.get(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(cached) * self.block_size
+        need = -(-(num_computed + num_new_tokens) // self.block_size) - len(held) - len(cached)
+        # Hits that sit in the free queue stop being free once taken.
+        free = self.pool.num_free - sum(1 for b in cached if self.pool.ref_cnt[b] == 0)
+        if need > free:
+            return False
+        if cached:
+            self.pool.take_cached(cached)
+        new = self.pool.allocate(max(need, 0))
+        if req.request_id not in self.blocks:
+            self.blocks[req.request_id] = []
+            self._num_hashed[req.request_id] = len(cached)
+        self.blocks[req.request_id].extend(cached + new)
+        return True
+
+    def can_fit(self, num_tokens: int) -> bool:
+        return -(-num_tokens // self.block_size) <= self.num_blocks
+
+    def commit(self, req: Request) -> None:
+        """Register the request's blocks that its computed tokens have filled in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
+        done = self._num_hashed[req.request_id]
+        if num_full <= done:
+            return
+        self._ensure_hashes(req, num_full)
+        table = self.blocks[req.request_id]
+        for i in range(done, num_full):
+            self.pool.cache(table[i], req.block_hashes[i])
+        self._num_hashed[req.request_id] = num_full
+
+    def free(self, req: Request) -> None:
+        blocks = self.blocks.pop(req.request_id, None)
+        self._num_hashed.pop(req.request_id, None)
+        if blocks:
+            self.pool.free(blocks[::-1])

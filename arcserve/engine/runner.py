@@ -1,0 +1,108 @@
+"""ModelRunner: SchedulerOutput -> flattened input tensors -> model -> sampler -> token ids.
+
+Owns the KV cache tensors. Builds one unpadded batch per step: the new tokens of every scheduled
+sequence back to back, their positions, the slot of each token in the paged cache, the block tables,
+and the index of each sampling sequence's last token (the only rows that reach the LM head).
+Everything is built with vectorised numpy over the step's tokens, never a Python loop over tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from arcserve.engine.sampler import Sampler
+from arcserve.engine.scheduler import SchedulerOutput
+from arcserve.kernels.reference import AttentionMetadata
+from arcserve.models.decoder import DecoderModel
+from arcserve.outputs import Logprob
+
+
+@dataclass
+class StepResult:
+    tokens: dict[str, int]  # request id -> sampled token
+    logprobs: dict[str, tuple[float, dict[int, Logprob]]]  # request id -> (token logprob, entries)
+
+
+def kv_cache_bytes_per_block(model: DecoderModel, block_size: int) -> int:
+    cfg = model.cfg
+    elem = torch.empty((), dtype=model.dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, seed: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = model.device
+        cfg = model.cfg
+        self.kv = torch.zeros(
+            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+            dtype=model.dtype, device=self.device,
+        )  # fmt: skip
+        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
+        self.sampler = Sampler(self.device, seed)
+
+    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        seqs = out.seqs
+        bs = self.block_size
+        starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=len(seqs))
+        q_lens = np.fromiter((s.num_new_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        T = int(q_lens.sum())
+        qsl = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        seq_lens = starts + q_lens
+        ids = np.fromiter(
+            itertools.chain.from_iterable(s.new_token_ids for s in seqs), dtype=np.int64, count=T
+        )
+        seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
+        positions = np.arange(T) - qsl[:-1][seq_of_token] + starts[seq_of_token]
+        max_blocks = int(-(-seq_lens.max() // bs))
+        tables = np.zeros((len(seqs), max_blocks), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            nb = -(-int(seq_lens[i]) // bs)
+            tables[i, :nb] = s.block_table[:nb]
+        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(tables.astype(np.int32)).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            host={"query_start_loc": qsl, "seq_lens": seq_lens},
+        )
+        return torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), meta
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        ids, positions, meta = self._prepare(out)
+        hidden = self.model.forward(ids, positions, meta, self.kv_caches)
+        sampling = [i for i, s in enumerate(out.seqs) if s.sample]
+        if not sampling:
+            return StepResult({}, {})
+        last = meta.host["query_start_loc"][1:][sampling] - 1
+        logits = self.model.logits(hidden[torch.from_numpy(last).to(self.device)])
+        reqs = [out.seqs[i].request for i in sampling]
+        so = self.sampler(logits, reqs)
+        tokens = so.tokens.tolist()  # the step's one host-device sync
+        result = StepResult({r.request_id: t for r, t in zip(reqs, tokens)}, {})
+        if so.logprob_rows:
+            tok_lp = so.token_logprob.tolist()
+            ranks = so.token_rank.tolist()
+            top_ids = so.topk_ids.tolist() if so.topk_ids is not None else None
+            top_lp = so.topk_logprobs.tolist() if so.topk_logprobs is not None else None
+            for j, i in enumerate(so.logprob_rows):
+                req, tok = reqs[i], tokens[i]
+                k = req.params.logprobs
+                entries = {tok: Logprob(tok_lp[j], ranks[j])}
+                for r in range(k):
+                    tid = top_ids[j][r]
+                    if tid not in entries:
+                        entries[tid] = Logprob(top_lp[j][r], r + 1)
+                result.logprobs[req.request_id] = (tok_lp[j], entries)
+        return result

@@ -1,0 +1,218 @@
+"""Token-budget scheduler: which requests run this step and how many tokens each.
+
+Each step spends at most `max_num_batched_tokens` tokens on at most `max_num_seqs` running requests:
+running requests first (those decoding one token before those in the middle of a prefill), then new
+requests from the waiting queue in policy order, each getting a prefill chunk that fits the budget.
+When KV blocks run out, the policy's victim is preempted: its blocks are freed (keeping their prefix
+hashes, so re-admission mostly hits the cache) and it goes back to the waiting queue to be recomputed.
+
+The result is a SchedulerOutput, the only thing the runner sees. The scheduler touches no tensors.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+
+from arcserve.engine.kv_cache import KVCacheManager
+from arcserve.engine.policy import SchedulingPolicy
+from arcserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request  # read-only for the runner: sampling params, generator, token history
+    start_pos: int  # tokens already in the KV cache
+    num_new_tokens: int  # tokens computed this step (positions start_pos ...)
+    block_table: list[int]
+    sample: bool  # the chunk reaches the end of the sequence: sample the next token
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        return self.request.token_ids[self.start_pos : self.start_pos + self.num_new_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        policy: SchedulingPolicy,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv = kv
+        self.policy = policy
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.running: list[Request] = []
+        self._waiting: list[tuple] = []  # heap of (policy key, request)
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        assert req.request_id not in self.requests, req.request_id
+        self.requests[req.request_id] = req
+        heapq.heappush(self._waiting, (self.policy.key(req), req.seq_no, req))
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request (abort, or a stop string found by the detokenizer) and free its blocks."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self._waiting = [e for e in self._waiting if e[2] is not req]
+            heapq.heapify(self._waiting)
+        req.status = status
+        self.kv.free(req)
+        return req
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self._waiting),
+            kv_cache_usage=self.kv.usage(),
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, ScheduledSeq] = {}
+        # Decoding requests first, then those in the middle of a prefill; each group in admission order.
+        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for req in order:
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req, n):
+                victim = self.policy.pick_victim(self.running)
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                undone = scheduled.pop(victim.request_id, None)
+                if undone is not None:
+                    budget += undone.num_new_tokens
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            scheduled[req.request_id] = self._scheduled(req, n)
+            budget -= n
+
+        # Admit waiting requests, unless this step already had to preempt.
+        now = time.time()
+        while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            req = self._waiting[0][2]
+            cached = self.kv.find_cached_prefix(req)
+            num_cached = len(cached) * self.kv.block_size
+            n = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate(req, n, cached):
+                break  # head-of-line: later requests wait their turn
+            heapq.heappop(self._waiting)
+            self.kv.prefix_queries += req.num_tokens
+            self.kv.prefix_hits += num_cached
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+                req.num_cached_tokens = num_cached
+            req.num_computed_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = self._scheduled(req, n)
+            budget -= n
+
+        out.seqs = list(scheduled.values())
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
+        return ScheduledSeq(
+            request=req,
+            start_pos=req.num_computed_tokens,
+            num_new_tokens=n,
+            block_table=self.kv.block_table(req.request_id),
+            sample=req.num_computed_tokens + n == req.num_tokens,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        heapq.heappush(self._waiting, (self.policy.key(req), req.seq_no, req))
+
+    # ---- after the step ---------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, apply token-level stops.
+        Returns the requests that received a token (finished ones included, already freed)."""
+        got_token = []
+        now = time.time()
+        for seq in out.seqs:
+            req = seq.request
+            if req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += seq.num_new_tokens
+            self.kv.commit(req)
+            if not seq.sample:
+                continue
+            token = sampled[req.request_id]
+            req.token_ids.append(token)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+            got_token.append(req)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.finish_request(req.request_id, status)
+        return got_token
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if token in p._eos_token_ids and not p.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

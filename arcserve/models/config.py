@@ -1,0 +1,135 @@
+"""ModelConfig: the few numbers of a Hugging Face config.json that the decoder needs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from arcserve.models.registry import Family, resolve_family
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}  # fmt: skip
+SUPPORTED_ROPE = ("default", "linear", "llama3")
+
+
+@dataclass
+class ModelConfig:
+    model_dir: str
+    architecture: str
+    family: Family
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    sliding_window: int | None
+    config_dtype: torch.dtype
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+
+    @classmethod
+    def from_dir(cls, model_dir: str) -> "ModelConfig":
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.isdir(model_dir):
+            raise FileNotFoundError(f"Model folder not found: {model_dir}")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"{model_dir} has no config.json; a Hugging Face model folder needs config.json, "
+                "tokenizer files and *.safetensors weights"
+            )
+        with open(path) as f:
+            c = json.load(f)
+        arch, family = resolve_family(c.get("architectures"), model_dir)
+        heads = c["num_attention_heads"]
+        rope = c.get("rope_parameters") or {}
+        scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling:
+            kind = scaling.get("rope_type") or scaling.get("type") or "default"
+            if kind not in SUPPORTED_ROPE:
+                raise ValueError(f"Unsupported rope scaling {kind!r}; supported: {', '.join(SUPPORTED_ROPE)}")
+            scaling = {**scaling, "rope_type": kind} if kind != "default" else None
+        window = c.get("sliding_window")
+        if family.name == "qwen2" and not c.get("use_sliding_window", False):
+            window = None
+        if family.name == "qwen3":  # Qwen3 dense models use full attention (sliding_window is unused)
+            window = None
+        eos = c.get("eos_token_id")
+        bias = bool(c.get("attention_bias", False))
+        return cls(
+            model_dir=model_dir,
+            architecture=arch,
+            family=family,
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=float(c.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rope_scaling=scaling,
+            max_position_embeddings=c.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            qkv_bias=bias if family.qkv_bias is None else family.qkv_bias,
+            o_bias=bias if family.o_bias is None else family.o_bias,
+            mlp_bias=bool(c.get("mlp_bias", False)),
+            sliding_window=window,
+            config_dtype=_DTYPES.get(str(c.get("torch_dtype") or c.get("dtype") or "float32"), torch.float32),
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            bos_token_id=c.get("bos_token_id"),
+        )
+
+    def resolve_dtype(self, dtype: str | torch.dtype) -> torch.dtype:
+        if isinstance(dtype, torch.dtype):
+            return dtype
+        if dtype == "auto":
+            return self.config_dtype
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}")
+        return _DTYPES[dtype]
+
+    def rope_cos_sin(self, max_pos: int) -> torch.Tensor:
+        """[max_pos, head_dim] float32: cos of every position in the first half, sin in the second."""
+        dim = self.head_dim
+        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        s = self.rope_scaling
+        if s and s["rope_type"] == "linear":
+            inv_freq = inv_freq / s["factor"]
+        elif s and s["rope_type"] == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, s)
+        t = torch.arange(max_pos, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float()
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1 frequency-dependent scaling: long wavelengths scaled by `factor`, short ones kept,
+    a smooth blend in between."""
+    factor = s["factor"]
+    low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return torch.where(mid, blended, out)

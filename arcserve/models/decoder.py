@@ -1,0 +1,94 @@
+"""The shared decoder-only transformer (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Weights live in plain tensors (no nn.Module per layer): the forward pass is a short loop of fused
+ops, which keeps Python overhead per step low. q/k/v and gate/up projections are concatenated at load
+time so each is one matmul.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from arcserve.kernels.reference import AttentionMetadata
+from arcserve.models.config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+class DecoderModel:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[LayerWeights],
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        ops: SimpleNamespace,
+        max_positions: int,
+    ) -> None:
+        self.cfg = cfg
+        self.embed = embed
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.ops = ops
+        self.dtype = embed.dtype
+        self.device = embed.device
+        self.cos_sin = cfg.rope_cos_sin(max_positions).to(self.device)
+        self.scale = cfg.head_dim**-0.5
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """input_ids/positions: [T]. Returns the final hidden states [T, hidden]."""
+        cfg, ops = self.cfg, self.ops
+        T = input_ids.shape[0]
+        h, d, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
+        x = F.embedding(input_ids, self.embed)
+        residual = None
+        for lw, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x, residual = ops.fused_add_rms_norm(x, residual, lw.input_norm, eps)
+            qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(T, h, d)
+            k = k.reshape(T, cfg.num_kv_heads, d)
+            v = v.reshape(T, cfg.num_kv_heads, d)
+            if lw.q_norm is not None:
+                q = ops.rms_norm(q, lw.q_norm, eps)
+                k = ops.rms_norm(k, lw.k_norm, eps)
+            q, k = ops.rotary_embedding(positions, q, k, self.cos_sin)
+            ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, cfg.sliding_window)
+            x = F.linear(attn.view(T, h * d), lw.o, lw.o_bias)
+            x, residual = ops.fused_add_rms_norm(x, residual, lw.post_norm, eps)
+            x = ops.silu_and_mul(F.linear(x, lw.gate_up, lw.gate_up_bias))
+            x = F.linear(x, lw.down, lw.down_bias)
+        x, _ = ops.fused_add_rms_norm(x, residual, self.final_norm, eps)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,56 @@
+"""Tokenizer and generation_config.json from a Hugging Face model folder."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+# generation_config.json keys that become SamplingParams defaults (as vLLM reads them).
+_SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises many kinds; name the folder and the cause
+        raise ValueError(
+            f"Could not load a tokenizer from {path} (it needs tokenizer.json or the tokenizer "
+            f"files of its family): {type(e).__name__}: {e}"
+        ) from e
+
+
+@dataclass
+class GenerationDefaults:
+    eos_token_ids: list[int] = field(default_factory=list)
+    sampling: dict = field(default_factory=dict)  # SamplingParams field -> default value
+
+
+def load_generation_defaults(source: str, model_dir: str) -> GenerationDefaults:
+    """source: "auto" (the model folder), a folder holding generation_config.json, or "vllm"
+    (ignore the model's defaults and use SamplingParams' own)."""
+    if source == "vllm":
+        return GenerationDefaults()
+    folder = model_dir if source == "auto" else source
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        if source != "auto":
+            raise FileNotFoundError(f"--generation-config {source}: no generation_config.json there")
+        return GenerationDefaults()
+    with open(path) as f:
+        g = json.load(f)
+    eos = g.get("eos_token_id")
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    sampling = {ours: g[theirs] for theirs, ours in _SAMPLING_KEYS.items() if g.get(theirs) is not None}
+    if sampling.get("top_k") == 0:
+        sampling["top_k"] = -1
+    return GenerationDefaults(eos_token_ids=eos_ids, sampling=sampling)

@@ -1,0 +1,102 @@
+"""Load a Hugging Face model folder (safetensors, single file or sharded) into a DecoderModel."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from types import SimpleNamespace
+
+import torch
+from safetensors import safe_open
+
+from arcserve.models.config import ModelConfig
+from arcserve.models.decoder import DecoderModel, LayerWeights
+
+
+def weight_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [s for s in shards if not os.path.isfile(os.path.join(model_dir, s))]
+        if missing:
+            raise FileNotFoundError(
+                f"{model_dir}: model.safetensors.index.json names shards that are missing: {missing}"
+            )
+        return [os.path.join(model_dir, s) for s in shards]
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if files:
+        return files
+    other = [os.path.basename(p) for p in glob.glob(os.path.join(model_dir, "*.bin"))]
+    hint = f" (found {other}; only safetensors weights are supported)" if other else ""
+    raise FileNotFoundError(
+        f"{model_dir} has no weights: expected model.safetensors or model.safetensors.index.json "
+        f"with its shards{hint}"
+    )
+
+
+class _Weights:
+    """Name -> tensor over all shards, converted to the target dtype and device on read."""
+
+    def __init__(self, files: list[str], dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self.where: dict[str, tuple] = {}  # our name -> (file handle, key in the file)
+        for path in files:
+            h = safe_open(path, framework="pt")
+            for key in h.keys():
+                self.where[key.removeprefix("model.")] = (h, key)
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise KeyError(f"weight {name!r} is missing from the checkpoint")
+        h, key = self.where[name]
+        return h.get_tensor(key).to(device=self.device, dtype=self.dtype)
+
+    def opt(self, name: str) -> torch.Tensor | None:
+        return self.get(name) if self.has(name) else None
+
+
+def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    if all(p is None for p in parts):
+        return None
+    assert all(p is not None for p in parts), "some projections have a bias and some do not"
+    return torch.cat(parts, dim=0).contiguous()
+
+
+def load_model(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    ops: SimpleNamespace,
+    max_positions: int,
+) -> DecoderModel:
+    w = _Weights(weight_files(cfg.model_dir), dtype, device)
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        layers.append(
+            LayerWeights(
+                input_norm=w.get(p + "input_layernorm.weight"),
+                qkv=_cat([w.get(a + f"{x}_proj.weight") for x in "qkv"]),
+                qkv_bias=_cat([w.opt(a + f"{x}_proj.bias") for x in "qkv"]),
+                o=w.get(a + "o_proj.weight"),
+                o_bias=w.opt(a + "o_proj.bias"),
+                q_norm=w.opt(a + "q_norm.weight") if cfg.family.qk_norm else None,
+                k_norm=w.opt(a + "k_norm.weight") if cfg.family.qk_norm else None,
+                post_norm=w.get(p + "post_attention_layernorm.weight"),
+                gate_up=_cat([w.get(m + "gate_proj.weight"), w.get(m + "up_proj.weight")]),
+                gate_up_bias=_cat([w.opt(m + "gate_proj.bias"), w.opt(m + "up_proj.bias")]),
+                down=w.get(m + "down_proj.weight"),
+                down_bias=w.opt(m + "down_proj.bias"),
+            )
+        )
+        if cfg.family.qk_norm and layers[-1].q_norm is None:
+            raise KeyError(f"{cfg.architecture} needs {a}q_norm.weight, missing from the checkpoint")
+    embed = w.get("embed_tokens.weight")
+    lm_head = embed if cfg.tie_word_embeddings else w.get("lm_head.weight")
+    return DecoderModel(cfg, embed, layers, w.get("norm.weight"), lm_head, ops, max_positions)

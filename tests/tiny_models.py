@@ -1,0 +1,118 @@
+"""Tiny random Hugging Face model folders for tests (built locally; no hub)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. ",
+    "def add(a, b):\n    return a + b\n",
+    "Paris is the capital of France; Berlin is the capital of Germany. ",
+    "Unicode: café, naïve, 東京, Привет, emoji 🙂🚀 and more. ",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000. ",
+]
+TOKENIZER_VOCAB = 300
+MODEL_VOCAB = 320  # larger than the tokenizer's, as Qwen checkpoints pad it
+
+
+def make_tokenizer(path: Path, kind: str = "bpe"):
+    """A small byte-level BPE (GPT-2 / Qwen style) or a Metaspace BPE (SentencePiece / Llama style)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<unk>", "<s>", "</s>"]
+    if kind == "bpe":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=TOKENIZER_VOCAB, special_tokens=special,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )  # fmt: skip
+    else:
+        tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
+        byte_tokens = [f"<0x{i:02X}>" for i in range(256)]
+        trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB + 256, special_tokens=special + byte_tokens)
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        chat_template=(
+            "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+            "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+        ),
+    )  # fmt: skip
+    fast.save_pretrained(path)
+    return fast
+
+
+def make_config(arch: str, **over):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=MODEL_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, rms_norm_eps=1e-6,
+    )  # fmt: skip
+    if arch == "llama":
+        common.update(
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            rope_theta=500000.0,
+        )  # fmt: skip
+        cls = LlamaConfig
+    elif arch == "mistral":
+        common.update(sliding_window=48, num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
+        cls = MistralConfig
+    elif arch == "qwen2":
+        common.update(tie_word_embeddings=True, num_attention_heads=4, num_key_value_heads=4)
+        cls = Qwen2Config
+    elif arch == "qwen3":
+        common.update(head_dim=32, num_attention_heads=4, num_key_value_heads=1)
+        cls = Qwen3Config
+    else:
+        raise ValueError(arch)
+    common.update(over)
+    return cls(**common)
+
+
+def make_model_dir(path: Path, arch: str, seed: int = 0, shard: bool = False, tokenizer: str = "bpe", **over):
+    """Write config.json + safetensors + tokenizer for a random tiny model of `arch`."""
+    from transformers import AutoModelForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = make_config(arch, **over)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # bigger weights than the default init: sharper, less tie-prone logits
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.25)
+    model.save_pretrained(path, max_shard_size="100KB" if shard else "1GB")
+    make_tokenizer(path, tokenizer)
+    gen = {"bos_token_id": 1, "eos_token_id": 2}
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    return path
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (one at a time: no padding effects)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        g = model.generate(
+            ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+            attention_mask=torch.ones_like(ids),
+        )  # fmt: skip
+        outs.append(g[0, len(p) :].tolist())
+    return outs
