@@ -31,6 +31,13 @@ class LLM:
         self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self._ids = itertools.count()
 
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.llm_engine = LLMEngine(args)
+        llm._ids = itertools.count()
+        return llm
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

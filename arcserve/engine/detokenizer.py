@@ -39,8 +39,9 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
-    def add_token(self, token: int) -> str | None:
-        """Append a token; return the stop string if the text now contains one (text is trimmed)."""
+    def add_token(self, token: int, check_stop: bool = True) -> str | None:
+        """Append a token; return the stop string if the text now contains one (text is trimmed).
+        check_stop=False (before min_tokens) decodes without looking for stop strings."""
         if token < self.vocab_len:
             self.ids.append(token)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
@@ -50,15 +51,20 @@ class IncrementalDetokenizer:
         before = len(self.text)
         self.text += full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return self._check_stop(before)
+        return self._check_stop(before) if check_stop else None
 
     def _check_stop(self, before: int) -> str | None:
+        """The stop string that occurs first in text that ends after `before` (trimmed there)."""
+        best = None
         for s in self.stop:
             i = self.text.find(s, max(0, before - len(s) + 1))
-            if i != -1:
-                self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
-                return s
-        return None
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        i, s = best
+        self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+        return s
 
     def flush(self) -> None:
         """At the end: emit whatever is pending, even an incomplete character."""

@@ -82,6 +82,8 @@ class LLMEngine:
                 free, _ = memory_info(self.device)
                 budget = min(_CPU_KV_DEFAULT, int(free * 0.3))
             num_blocks = budget // per_block
+            if a.kv_cache_memory_bytes is None:  # no use for more than every sequence at full length
+                num_blocks = min(num_blocks, a.max_num_seqs * -(-self.max_model_len // a.block_size))
         tokens = num_blocks * a.block_size
         if tokens < self.max_model_len:
             raise ValueError(

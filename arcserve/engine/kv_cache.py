@@ -97,8 +97,10 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.blocks: dict[str, list[int]] = {}
         self._num_hashed: dict[str, int] = {}  # how many of a request's blocks are registered
-        self.prefix_queries = 0  # tokens looked up in the prefix cache
-        self.prefix_hits = 0  # tokens found there
+        # Prompt tokens looked up in / served by the prefix cache, counted once per admission
+        # (by the scheduler, when the admission succeeds).
+        self.prefix_queries = 0
+        self.prefix_hits = 0
 
     @property
     def num_blocks(self) -> int:
@@ -131,8 +133,6 @@ class KVCacheManager:
             if b is None:
                 break
             hits.append(b)
-        self.prefix_queries += req.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits
 
     def allocate(self, req: Request, num_new_tokens: int, cached: list[int] | None = None) -> bool:

@@ -79,7 +79,8 @@ class OutputProcessor:
             req.logprobs.append(entries)
         if seq.detok is None:
             return None
-        return seq.detok.add_token(token)
+        # As in vLLM, stop strings (like EOS and stop_token_ids) only end a sequence after min_tokens.
+        return seq.detok.add_token(token, check_stop=req.num_output_tokens > req.params.min_tokens)
 
     def on_finish(self, req: Request, reason: str, stop_reason) -> None:
         group, seq = self.seq_of[req.request_id]

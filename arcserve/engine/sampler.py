@@ -6,8 +6,9 @@ samples the same tokens whatever else is in the batch).
 
 Order of processing, as in vLLM: logprobs are taken from the raw logits; then logit_bias, min_tokens
 (stop tokens masked), repetition/frequency/presence penalties; greedy rows take the argmax; the other
-rows apply temperature, top-k, top-p and min-p and sample with the exponential race
-(argmax of p / Exp(1), equivalent to drawing from p).
+rows apply temperature, top-k, top-p and min-p and sample by inverse CDF: one uniform number per row
+(from the request's own generator when it has a seed) located in the row's cumulative distribution.
+That needs one random number per row instead of one per vocabulary entry.
 """
 
 from __future__ import annotations
@@ -149,12 +150,13 @@ class Sampler:
         if any(p.min_p > 0.0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], device=dev)
         x = apply_top_k_top_p_min_p(x, top_k, top_p, min_p)
-        probs = x.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        unseeded = [j for j, i in enumerate(rows) if reqs[i].generator is None]
-        if len(unseeded) == len(rows):
-            noise.exponential_(generator=self.generator)
+        cdf = x.softmax(dim=-1).cumsum(dim=-1)
+        gens = [reqs[i].generator for i in rows]
+        if all(g is None for g in gens):
+            u = torch.rand(len(rows), 1, device=dev, generator=self.generator)
         else:
-            for j, i in enumerate(rows):
-                noise[j].exponential_(generator=reqs[i].generator or self.generator)
-        return (probs / noise).argmax(dim=-1)
+            u = torch.cat([torch.rand(1, device=dev, generator=g or self.generator) for g in gens])[:, None]
+        # right=True: the first index whose cumulative mass exceeds u, so zero-probability tokens
+        # (flat steps of the cdf) are never picked. u is scaled by the row total (float rounding).
+        picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
+        return picked.clamp_(max=V - 1)

@@ -1,0 +1,86 @@
+"""Command line: `arcserve generate` (one completion) and friends. Flags use vLLM's names."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from arcserve.config import EngineArgs
+
+
+def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
+    p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default, help=help)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags; each maps one to one onto an EngineArgs field (dashes -> underscores)."""
+    p.add_argument("model", nargs="?", default=None, help="Hugging Face model folder (default: bundled demo model)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV cache size in blocks")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    _bool_flag(p, "enable-prefix-caching", True, "reuse KV blocks of shared prompt prefixes")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "xpu", "cpu"])
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch"])
+    p.add_argument("--generation-config", default="auto", help="auto | a folder | vllm (ignore the model's)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    fields = EngineArgs.field_names()
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in fields})
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from arcserve import LLM
+
+    llm = LLM.from_engine_args(engine_args_from(ns))
+    given = {k: getattr(ns, k) for k in ("max_tokens", "temperature", "top_p", "top_k")}
+    sp = dataclasses.replace(
+        llm.get_default_sampling_params(), **{k: v for k, v in given.items() if v is not None}
+    )
+    if ns.chat:
+        out = llm.chat([{"role": "user", "content": ns.prompt}], sp, use_tqdm=False)
+    else:
+        out = llm.generate([ns.prompt], sp, use_tqdm=False)
+    print(out[0].outputs[0].text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="arcserve", description="arcserve LLM engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="print one completion of a prompt")
+    add_engine_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=None)
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, ns.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return ns.func(ns)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"arcserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

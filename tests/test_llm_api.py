@@ -1,0 +1,223 @@
+"""The offline API end to end on tiny models: prompts forms, params, stops, outputs, bad input."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from arcserve import LLM, LLMEngine, EngineArgs, RequestOutputKind, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), dtype="float32", max_model_len=256)
+
+
+def greedy(max_tokens=12, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+def test_prompt_forms_and_order(llm):
+    tok = llm.get_tokenizer()
+    texts = ["The quick brown fox", "def add(a, b):", "Paris is"]
+    by_text = llm.generate(texts, greedy(), use_tqdm=False)
+    assert [o.prompt for o in by_text] == texts
+    single = llm.generate(texts[1], greedy(), use_tqdm=False)
+    assert single[0].outputs[0].token_ids == by_text[1].outputs[0].token_ids
+    ids = [{"prompt_token_ids": tok.encode(t)} for t in texts]
+    by_ids = llm.generate(ids, greedy(), use_tqdm=False)
+    for a, b in zip(by_text, by_ids):
+        assert a.prompt_token_ids == b.prompt_token_ids
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].text == tok.decode(a.outputs[0].token_ids, skip_special_tokens=True)
+        assert a.outputs[0].finish_reason == "length" and len(a.outputs[0].token_ids) == 12
+    m = by_text[0].metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+def test_sampling_params_list_per_prompt(llm):
+    outs = llm.generate(["a", "b"], [greedy(3), greedy(5)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 5]
+    with pytest.raises(ValueError, match="2 prompts"):
+        llm.generate(["a", "b"], [greedy(3)] * 3, use_tqdm=False)
+
+
+def test_n_outputs(llm):
+    out = llm.generate("Paris", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8), use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1  # different seeds per child
+    again = llm.generate("Paris", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8), use_tqdm=False)[0]
+    assert [o.token_ids for o in out.outputs] == [o.token_ids for o in again.outputs]
+
+
+def test_stop_strings_trimmed_or_included(llm):
+    base = llm.generate("The quick", greedy(30), use_tqdm=False)[0].outputs[0].text
+    assert len(base) > 6
+    stop = base[3:6]
+    first = base.find(stop)
+    out = llm.generate("The quick", greedy(30, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.text == base[:first] and out.finish_reason == "stop" and out.stop_reason == stop
+    inc = llm.generate("The quick", greedy(30, stop=stop, include_stop_str_in_output=True), use_tqdm=False)
+    assert inc[0].outputs[0].text == base[: first + len(stop)]
+
+
+def test_stop_token_ids_min_tokens_ignore_eos(llm):
+    base = llm.generate("Berlin", greedy(20), use_tqdm=False)[0].outputs[0].token_ids
+    target = base[4]
+    out = llm.generate("Berlin", greedy(20, stop_token_ids=[target]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base[: base.index(target) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == target
+    # min_tokens: the stop token cannot end the sequence before min_tokens tokens.
+    mt = llm.generate("Berlin", greedy(20, stop_token_ids=[target], min_tokens=10), use_tqdm=False)
+    assert len(mt[0].outputs[0].token_ids) >= 10
+    # EOS: push it with logit_bias; it stops at once unless ignore_eos.
+    eos = llm.get_tokenizer().eos_token_id
+    forced = greedy(6, logit_bias={eos: 100.0})
+    assert llm.generate("x", forced, use_tqdm=False)[0].outputs[0].token_ids == [eos]
+    ign = llm.generate("x", greedy(6, logit_bias={eos: 100.0}, ignore_eos=True), use_tqdm=False)[0]
+    assert ign.outputs[0].token_ids == [eos] * 6 and ign.outputs[0].finish_reason == "length"
+
+
+def test_ids_past_tokenizer_vocab_decode_to_nothing(llm):
+    tok = llm.get_tokenizer()
+    pad_id = llm.llm_engine.model_config.vocab_size - 1
+    assert pad_id >= len(tok)
+    out = llm.generate("Paris", greedy(4, logit_bias={pad_id: 100.0}), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [pad_id] * 4 and out.text == ""
+
+
+def test_logprobs(llm):
+    out = llm.generate("Paris", greedy(5, logprobs=3), use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 5
+    for tok, entries in zip(out.token_ids, out.logprobs):
+        assert tok in entries and entries[tok].rank == 1
+        assert len(entries) == 3 and all(e.logprob <= 0 for e in entries.values())
+        assert sorted(e.rank for e in entries.values()) == [1, 2, 3]
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+
+
+def test_chat_template(llm):
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    out = llm.chat(conv, greedy(4), use_tqdm=False)[0]
+    assert out.prompt == "<s>system\nbe brief</s>\n<s>user\nhi</s>\n<s>assistant\n"
+    two = llm.chat([conv, conv[1:]], greedy(4), use_tqdm=False)
+    assert two[0].outputs[0].token_ids == out.outputs[0].token_ids and len(two) == 2
+
+
+def test_engine_api_stream_and_abort(llama_dir):
+    engine = LLMEngine(EngineArgs(model=str(llama_dir), dtype="float32", max_model_len=128))
+    engine.add_request("a", "The quick", greedy(10, output_kind=RequestOutputKind.DELTA))
+    engine.add_request("b", "Paris", greedy(50))
+    engine.add_request("c", "def", greedy(10))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", "again", greedy(3))
+    deltas, seen_b = [], 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "a":
+                deltas.append(out.outputs[0])
+            if out.request_id == "b":
+                seen_b += 1
+                if seen_b == 3:
+                    engine.abort_request("b")
+    assert seen_b == 3 and engine.get_num_unfinished_requests() == 0
+    assert sum(len(d.token_ids) for d in deltas) == 10 and deltas[-1].finish_reason == "length"
+    full = LLM.from_engine_args(EngineArgs(model=str(llama_dir), dtype="float32", max_model_len=128))
+    ref = full.generate("The quick", greedy(10), use_tqdm=False)[0].outputs[0]
+    assert "".join(d.text for d in deltas) == ref.text
+    assert engine.scheduler.kv.usage() == 0.0 and not engine.scheduler.running
+
+
+BAD = [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(top_k=0), "top_k"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(n=0), "n"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(presence_penalty=3.0), "presence_penalty"),
+    (dict(logprobs=50), "logprobs"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(stop=[""]), "stop"),
+]
+
+
+@pytest.mark.parametrize("kwargs,name", BAD)
+def test_bad_sampling_params_name_the_parameter(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_leave_nothing_behind(llm):
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match=r"300 tokens.*max_model_len is 256"):
+        llm.generate(["fine", {"prompt_token_ids": [5] * 300}], greedy(), use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(["fine", ""], greedy(), use_tqdm=False)
+    with pytest.raises(ValueError, match="Token ids"):
+        llm.generate({"prompt_token_ids": [1, 10**6]}, greedy(), use_tqdm=False)
+    assert not engine.has_unfinished_requests() and engine.scheduler.num_waiting == 0
+    assert engine.scheduler.kv.usage() == 0.0
+    assert llm.generate("fine", greedy(3), use_tqdm=False)[0].outputs[0].finish_reason == "length"
+    with pytest.raises(TypeError, match="unknown arguments"):
+        LLM("x", max_num_seq=3)
+
+
+def test_kv_cache_too_small_for_max_model_len(llama_dir):
+    with pytest.raises(ValueError, match="largest max_model_len that fits is 64"):
+        LLM(str(llama_dir), num_kv_blocks=4, max_model_len=128)
+
+
+def test_loading_errors_name_what_is_missing(tmp_path, llama_dir):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        LLM(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        LLM(str(tmp_path / "empty"))
+    bad = tmp_path / "bad_arch"
+    shutil.copytree(llama_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="GPTNeoXForCausalLM.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        LLM(str(bad))
+    noweights = tmp_path / "no_weights"
+    shutil.copytree(llama_dir, noweights)
+    (noweights / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        LLM(str(noweights))
+
+
+def test_sharded_checkpoint_and_dtypes(tmp_path, llama_dir):
+    from tiny_models import make_model_dir
+
+    sharded = make_model_dir(tmp_path / "sharded", "llama", seed=0, shard=True)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    a = LLM(str(sharded), dtype="float32", max_model_len=128)
+    b = LLM(str(llama_dir), dtype="float32", max_model_len=128)
+    p = "The quick brown"
+    assert a.generate(p, greedy(), use_tqdm=False)[0].outputs[0].token_ids == (
+        b.generate(p, greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    )
+    for dtype, expect in [("bfloat16", torch.bfloat16), ("float16", torch.float16), ("auto", torch.float32)]:
+        llm = LLM(str(llama_dir), dtype=dtype, max_model_len=64)
+        assert llm.llm_engine.model.dtype == expect
+        assert len(llm.generate(p, greedy(4), use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+def test_generation_config_defaults(tmp_path, llama_dir):
+    d = tmp_path / "gen"
+    shutil.copytree(llama_dir, d)
+    (d / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [2, 7], "temperature": 0.3, "top_p": 0.8, "top_k": 20})
+    )
+    llm = LLM(str(d), max_model_len=64)
+    sp = llm.get_default_sampling_params()
+    assert (sp.temperature, sp.top_p, sp.top_k) == (0.3, 0.8, 20)
+    assert llm.llm_engine.eos_token_ids == {2, 7}
+    out = llm.generate("x", greedy(6, logit_bias={7: 100.0}), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [7] and out.finish_reason == "stop"
