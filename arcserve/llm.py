@@ -32,7 +32,7 @@ class LLM:
         self._ids = itertools.count()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
         llm = cls.__new__(cls)
         llm.llm_engine = LLMEngine(args)
         llm._ids = itertools.count()

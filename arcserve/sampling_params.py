@@ -111,5 +111,5 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
         )
 
-    def clone(self) -> "SamplingParams":
+    def clone(self) -> SamplingParams:
         return copy.deepcopy(self)

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from arcserve import LLM, LLMEngine, EngineArgs, RequestOutputKind, SamplingParams
+from arcserve import LLM, EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 
 
 @pytest.fixture(scope="module")

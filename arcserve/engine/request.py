@@ -9,7 +9,6 @@ import time
 from arcserve.outputs import RequestMetrics, SampleLogprobs
 from arcserve.sampling_params import SamplingParams
 
-
 _SEQ = itertools.count()
 
 

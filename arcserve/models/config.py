@@ -45,7 +45,7 @@ class ModelConfig:
     bos_token_id: int | None
 
     @classmethod
-    def from_dir(cls, model_dir: str) -> "ModelConfig":
+    def from_dir(cls, model_dir: str) -> ModelConfig:
         path = os.path.join(model_dir, "config.json")
         if not os.path.isdir(model_dir):
             raise FileNotFoundError(f"Model folder not found: {model_dir}")
