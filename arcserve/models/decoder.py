@@ -70,25 +70,24 @@ class DecoderModel:
         h, d, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
         x = F.embedding(input_ids, self.embed)
         residual = None
+        cos, sin = ops.rope_cos_sin(self.cos_sin, positions, self.dtype)
+        nq, nkv = h, cfg.num_kv_heads
         for lw, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x, residual = ops.fused_add_rms_norm(x, residual, lw.input_norm, eps)
-            qkv = F.linear(x, lw.qkv, lw.qkv_bias)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(T, h, d)
-            k = k.reshape(T, cfg.num_kv_heads, d)
-            v = v.reshape(T, cfg.num_kv_heads, d)
+            qkv = ops.linear(x, lw.qkv, lw.qkv_bias).view(T, nq + 2 * nkv, d)
+            qk, v = qkv[:, : nq + nkv], qkv[:, nq + nkv :]
             if lw.q_norm is not None:
-                q = ops.rms_norm(q, lw.q_norm, eps)
-                k = ops.rms_norm(k, lw.k_norm, eps)
-            q, k = ops.rotary_embedding(positions, q, k, self.cos_sin)
+                qk = torch.cat((ops.rms_norm(qk[:, :nq], lw.q_norm, eps), ops.rms_norm(qk[:, nq:], lw.k_norm, eps)), 1)
+            qk = ops.rotary_embedding(qk, cos, sin)  # q and k heads rotated together
+            q, k = qk[:, :nq], qk[:, nq:]
             ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, cfg.sliding_window)
-            x = F.linear(attn.view(T, h * d), lw.o, lw.o_bias)
+            attn = ops.paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, cfg.sliding_window)
+            x = ops.linear(attn.view(T, h * d), lw.o, lw.o_bias)
             x, residual = ops.fused_add_rms_norm(x, residual, lw.post_norm, eps)
-            x = ops.silu_and_mul(F.linear(x, lw.gate_up, lw.gate_up_bias))
-            x = F.linear(x, lw.down, lw.down_bias)
+            x = ops.silu_and_mul(ops.linear(x, lw.gate_up, lw.gate_up_bias))
+            x = ops.linear(x, lw.down, lw.down_bias)
         x, _ = ops.fused_add_rms_norm(x, residual, self.final_norm, eps)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.ops.linear(hidden, self.lm_head).float()

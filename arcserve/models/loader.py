@@ -99,4 +99,8 @@ def load_model(
             raise KeyError(f"{cfg.architecture} needs {a}q_norm.weight, missing from the checkpoint")
     embed = w.get("embed_tokens.weight")
     lm_head = embed if cfg.tie_word_embeddings else w.get("lm_head.weight")
+    pack = ops.pack_linear_weight
+    for lw in layers:
+        lw.qkv, lw.o, lw.gate_up, lw.down = pack(lw.qkv), pack(lw.o), pack(lw.gate_up), pack(lw.down)
+    lm_head = pack(lm_head)
     return DecoderModel(cfg, embed, layers, w.get("norm.weight"), lm_head, ops, max_positions)
