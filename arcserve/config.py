@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -19,7 +20,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None  # fixes the KV cache size; else from kv_cache_memory_bytes
     kv_cache_memory_bytes: int | None = None  # CPU default: min(4 GiB, 30% of available memory)
     seed: int = 0
-    scheduling_policy: str = "fcfs"  # fcfs | priority
+    scheduling_policy: Any = "fcfs"  # "fcfs" | "priority" | a SchedulingPolicy instance
     device: str = "auto"  # auto | cuda | xpu | cpu
     kernels: str = "auto"  # auto | torch
     generation_config: str = "auto"  # auto (model folder) | a folder | "vllm" (ignore the model's)

@@ -19,6 +19,7 @@ from arcserve.engine.scheduler import SchedulerOutput
 from arcserve.kernels.reference import AttentionMetadata
 from arcserve.models.decoder import DecoderModel
 from arcserve.outputs import Logprob
+from arcserve.platform import memory_info
 
 
 @dataclass
@@ -45,6 +46,13 @@ class ModelRunner:
         )  # fmt: skip
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
         self.sampler = Sampler(self.device, seed)
+        self.decode_mirror = None
+        if model.ops.make_decode_mirror is not None:
+            # Bounded by the KV cache's own size and a quarter of the memory free now.
+            budget = min(self.kv.numel() * self.kv.element_size(), memory_info(self.device)[0] // 4)
+            self.decode_mirror = model.ops.make_decode_mirror(
+                cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, self.device, budget
+            )
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         seqs = out.seqs
@@ -74,7 +82,13 @@ class ModelRunner:
             slot_mapping=torch.from_numpy(slots).to(dev),
             max_query_len=int(q_lens.max()),
             max_seq_len=int(seq_lens.max()),
-            host={"query_start_loc": qsl, "seq_lens": seq_lens},
+            host={
+                "query_start_loc": qsl,
+                "seq_lens": seq_lens,
+                "seq_ids": np.fromiter((s.request.seq_no for s in seqs), dtype=np.int64, count=len(seqs)),
+                "decode_mirror": self.decode_mirror,
+                "sliding_window": self.model.cfg.sliding_window,
+            },
         )
         return torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), meta
 

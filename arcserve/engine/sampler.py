@@ -118,10 +118,13 @@ class Sampler:
         if pen_rows:
             apply_penalties(logits, reqs, pen_rows)
 
-        tokens = logits.argmax(dim=-1)
         rand = [i for i, p in enumerate(params) if not p.greedy]
-        if rand:
-            tokens[rand] = self._sample(logits, reqs, rand)
+        if len(rand) == B:
+            tokens = self._sample(logits, reqs, rand)
+        else:
+            tokens = logits.argmax(dim=-1)
+            if rand:
+                tokens[rand] = self._sample(logits, reqs, rand)
 
         out = SamplerOutput(tokens=tokens, logprob_rows=lp_rows)
         if lp_rows:

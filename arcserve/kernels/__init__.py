@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from arcserve.kernels import reference
+from arcserve.kernels import cpu_attention, reference
 
 KERNEL_CHOICES = ("auto", "torch")
 
@@ -22,5 +22,7 @@ def get_ops(kernels: str, device_type: str) -> SimpleNamespace:
         rope_cos_sin=reference.rope_cos_sin,
         rotary_embedding=reference.rotary_embedding,
         store_kv=reference.store_kv,
-        paged_attention=reference.paged_attention,
+        # CPU decode attention reads a dense mirror of the decoding sequences' KV (cpu_attention.py).
+        paged_attention=cpu_attention.paged_attention if device_type == "cpu" else reference.paged_attention,
+        make_decode_mirror=cpu_attention.DecodeMirror if device_type == "cpu" else None,
     )

@@ -72,7 +72,7 @@ class DecoderModel:
         residual = None
         cos, sin = ops.rope_cos_sin(self.cos_sin, positions, self.dtype)
         nq, nkv = h, cfg.num_kv_heads
-        for lw, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for i, (lw, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x, residual = ops.fused_add_rms_norm(x, residual, lw.input_norm, eps)
             qkv = ops.linear(x, lw.qkv, lw.qkv_bias).view(T, nq + 2 * nkv, d)
             qk, v = qkv[:, : nq + nkv], qkv[:, nq + nkv :]
@@ -81,7 +81,7 @@ class DecoderModel:
             qk = ops.rotary_embedding(qk, cos, sin)  # q and k heads rotated together
             q, k = qk[:, :nq], qk[:, nq:]
             ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            attn = ops.paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, cfg.sliding_window)
+            attn = ops.paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, cfg.sliding_window, i)
             x = ops.linear(attn.view(T, h * d), lw.o, lw.o_bias)
             x, residual = ops.fused_add_rms_norm(x, residual, lw.post_norm, eps)
             x = ops.silu_and_mul(ops.linear(x, lw.gate_up, lw.gate_up_bias))

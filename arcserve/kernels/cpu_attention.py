@@ -1,0 +1,176 @@
+"""CPU decode attention over a dense mirror of the decoding sequences' KV.
+
+Pure-PyTorch paged attention must gather every decoding sequence's blocks on every layer and step
+(`reference.paged_attention`), which triples the memory traffic of attention. Here each sequence in
+decode owns a row of a dense per-layer buffer [rows, kv_heads, capacity, head_dim]: the row is filled
+from the paged cache once, when the sequence starts decoding (or comes back after a preemption), and
+afterwards only the step's new token is appended. Rows stay packed (a leaving sequence's row is
+refilled by moving the last row into it), so every layer runs one SDPA over a plain slice.
+
+The paged cache stays the source of truth (prefix caching, preemption); the mirror is a cache of it,
+bounded by `max_bytes` (beyond that, decode falls back to gathering). Prefill chunks use the
+reference path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from arcserve.kernels import reference
+from arcserve.kernels.reference import AttentionMetadata
+
+_GROW = 128  # capacity granularity in tokens
+
+
+class DecodeMirror:
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype, device, max_bytes: int) -> None:
+        self.shape = (num_layers, kv_heads, head_dim)
+        self.dtype, self.device, self.max_bytes = dtype, device, max_bytes
+        self.k: torch.Tensor | None = None  # [layers, rows, kvh, cap, hd]
+        self.v: torch.Tensor | None = None
+        self.ids: list[int] = []  # seq id held by each row
+        self.lens = np.zeros(0, dtype=np.int64)  # tokens valid in each row
+
+    def _bytes(self, rows: int, cap: int) -> int:
+        L, kvh, hd = self.shape
+        return 2 * L * rows * kvh * cap * hd * torch.empty((), dtype=self.dtype).element_size()
+
+    def _ensure(self, rows: int, cap: int) -> bool:
+        cur_rows, cur_cap = (0, 0) if self.k is None else (self.k.shape[1], self.k.shape[3])
+        if rows <= cur_rows and cap <= cur_cap:
+            return True
+        rows = max(rows, cur_rows, 8 if cur_rows == 0 else 2 * cur_rows) if rows > cur_rows else cur_rows
+        cap = max(cap, int(cur_cap * 1.5)) if cap > cur_cap else cur_cap
+        cap = -(-cap // _GROW) * _GROW
+        if self._bytes(rows, cap) > self.max_bytes:
+            return False
+        L, kvh, hd = self.shape
+        # Zeros, not empty: masked positions still meet V in the softmax-weighted sum, and 0 * NaN
+        # from uninitialised memory would poison the output.
+        k = torch.zeros(L, rows, kvh, cap, hd, dtype=self.dtype, device=self.device)
+        v = torch.zeros_like(k)
+        if self.k is not None:
+            n = len(self.ids)
+            k[:, :n, :, :cur_cap] = self.k[:, :n]
+            v[:, :n, :, :cur_cap] = self.v[:, :n]
+        self.k, self.v = k, v
+        return True
+
+    def reset(self) -> None:
+        self.ids, self.lens = [], np.zeros(0, dtype=np.int64)
+
+    def plan(self, ids: np.ndarray, lens: np.ndarray, block_tables: torch.Tensor, block_size: int):
+        """Assign rows to this step's decoding sequences (ids; context lengths after the step).
+        Returns (row of each decode token, refill info or None), or None to fall back to gathering."""
+        wanted = {int(s): int(n) for s, n in zip(ids, lens)}
+        # A row survives if its sequence decodes now and continues exactly where the row ends
+        # (not after a preemption, not a new sequence under a reused id).
+        alive = [wanted.get(sid) == self.lens[r] + 1 for r, sid in enumerate(self.ids)]
+        n_alive = sum(alive)
+        if not self._ensure(len(ids), int(lens.max())):
+            self.reset()
+            return None
+        holes = [r for r in range(n_alive) if not alive[r]]
+        movers = [r for r in range(n_alive, len(self.ids)) if alive[r]]
+        if movers:  # pack: move the few live rows past the front into the front's holes
+            dst = torch.tensor(holes, device=self.device)
+            src = torch.tensor(movers, device=self.device)
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]
+            for h, m in zip(holes, movers):
+                self.ids[h], self.lens[h] = self.ids[m], self.lens[m]
+        self.ids, self.lens = self.ids[:n_alive], self.lens[:n_alive].copy()
+        keep = {sid: r for r, sid in enumerate(self.ids)}
+        rows = np.empty(len(ids), dtype=np.int64)
+        new_lens = np.zeros(len(ids), dtype=np.int64)
+        new_lens[:n_alive] = self.lens
+        refill = []
+        for i, (sid, n) in enumerate(zip(ids.tolist(), lens.tolist())):
+            r = keep.get(sid)
+            if r is None:
+                r = len(self.ids)
+                self.ids.append(sid)
+                refill.append((i, r, n - 1))
+            rows[i] = r
+            new_lens[r] = n
+        self.lens = new_lens
+        fill = None
+        if refill:
+            prev = max(n for _, _, n in refill)
+            idx = torch.tensor([i for i, _, _ in refill], device=self.device)
+            fill = (torch.tensor([r for _, r, _ in refill], device=self.device),
+                    block_tables[idx, : -(-prev // block_size)].long(), prev)  # fmt: skip
+        return torch.from_numpy(rows).to(self.device), fill
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache, v_cache,
+               plan: dict, scale: float, sliding_window: int | None) -> torch.Tensor:
+        rows, fill, tok, pos, mask = plan["rows"], plan["fill"], plan["tok"], plan["pos"], plan["mask"]
+        K, V = self.k[layer], self.v[layer]
+        if fill is not None:  # new decoders: copy their context from the paged cache, once
+            fill_rows, blocks, n = fill
+            K[fill_rows, :, :n] = reference._gather(k_cache, blocks)[:, :, :n]
+            V[fill_rows, :, :n] = reference._gather(v_cache, blocks)[:, :, :n]
+        K[rows, :, pos] = k[tok]  # this step's token
+        V[rows, :, pos] = v[tok]
+        n, L = len(self.ids), plan["max_len"]
+        qr = torch.empty(n, q.shape[1], q.shape[2], dtype=q.dtype, device=q.device)
+        qr[rows] = q[tok]
+        o = F.scaled_dot_product_attention(
+            qr.unsqueeze(2), K[:n, :, :L], V[:n, :, :L], attn_mask=mask, scale=scale,
+            enable_gqa=q.shape[1] != K.shape[1],
+        )  # fmt: skip
+        return o.squeeze(2)[rows]
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float, sliding_window: int | None = None, layer: int = 0,
+) -> torch.Tensor:  # fmt: skip
+    """Same contract as reference.paged_attention; decode tokens go through meta's DecodeMirror."""
+    mirror: DecodeMirror | None = meta.host.get("decode_mirror")
+    plan = _plan(meta, k_cache.shape[1], mirror)
+    if plan is None:
+        return reference.paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+    out = torch.empty_like(q)
+    out[plan["tok"]] = mirror.attend(layer, q, k, v, k_cache, v_cache, plan, scale, sliding_window)
+    if plan["has_prefill"]:
+        pre = reference.paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, skip_decode=True)
+        out[plan["prefill_tok"]] = pre[plan["prefill_tok"]]
+    return out
+
+
+def _plan(meta: AttentionMetadata, block_size: int, mirror: DecodeMirror | None) -> dict | None:
+    if "mirror_plan" in meta.cache:
+        return meta.cache["mirror_plan"]
+    plan = None
+    qsl, seq_lens = meta.host["query_start_loc"], meta.host["seq_lens"]
+    q_lens = qsl[1:] - qsl[:-1]
+    dec = (q_lens == 1).nonzero()[0]
+    if mirror is not None and len(dec):
+        lens = seq_lens[dec]
+        got = mirror.plan(meta.host["seq_ids"][dec], lens, meta.block_tables[torch.from_numpy(dec)], block_size)
+        if got is not None:
+            rows, fill = got
+            dev = meta.block_tables.device
+            max_len = int(mirror.lens.max())
+            lens_rows = torch.from_numpy(mirror.lens.copy()).to(dev)
+            pos_all = torch.arange(max_len, device=dev)
+            mask = pos_all[None, :] < lens_rows[:, None]
+            window = meta.host.get("sliding_window")
+            if window is not None:
+                mask &= pos_all[None, :] > lens_rows[:, None] - 1 - window
+            pre = (q_lens > 1).nonzero()[0]
+            plan = {
+                "rows": rows, "fill": fill, "max_len": max_len,
+                "tok": torch.from_numpy(qsl[dec]).to(dev),
+                "pos": torch.from_numpy(lens - 1).to(dev),
+                "mask": mask[:, None, None, :],
+                "has_prefill": len(pre) > 0,
+                "prefill_tok": torch.from_numpy(
+                    np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in pre]) if len(pre) else np.zeros(0, np.int64)
+                ).to(dev),
+            }  # fmt: skip
+    meta.cache["mirror_plan"] = plan
+    return plan
