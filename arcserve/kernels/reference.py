@@ -123,7 +123,8 @@ def _plan(meta: AttentionMetadata, block_size: int) -> dict:
         mask = None
         if len(dec) > 1 or max_len % block_size:
             mask = torch.arange(nblk * block_size, device=dev)[None, :] < lens_t[:, None]
-        plan["decode"] = (idx, bt[idx, :nblk].long(), mask, lens_t)
+        tok = torch.from_numpy(qsl[dec]).to(dev)  # decode sequences' token rows in the batch
+        plan["decode"] = (tok, bt[idx, :nblk].long(), mask, lens_t)
     for i in (q_lens > 1).nonzero()[0]:
         n, ctx = int(q_lens[i]), int(seq_lens[i])
         blocks = None if ctx == n else bt[i, : -(-ctx // block_size)].long()
@@ -159,7 +160,7 @@ def paged_attention(
     out = torch.empty_like(q)
     gqa = q.shape[1] != k_cache.shape[2]
     if plan["decode"] is not None and not skip_decode:
-        idx, blocks, mask, lens = plan["decode"]
+        tok, blocks, mask, lens = plan["decode"]
         kd, vd = _gather(k_cache, blocks), _gather(v_cache, blocks)  # [B, KVH, L, D]
         if mask is None:  # one sequence filling whole blocks: nothing to mask
             mask = torch.ones(1, kd.shape[2], dtype=torch.bool, device=q.device)
@@ -167,9 +168,9 @@ def paged_attention(
             pos = torch.arange(kd.shape[2], device=q.device)
             mask = mask & (pos[None, :] > lens[:, None] - 1 - sliding_window)
         o = F.scaled_dot_product_attention(
-            q[idx].unsqueeze(2), kd, vd, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa
+            q[tok].unsqueeze(2), kd, vd, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa
         )
-        out[idx] = o.squeeze(2)
+        out[tok] = o.squeeze(2)
     for start, n, ctx, blocks in plan["prefill"]:
         qp = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if blocks is None:

@@ -1,0 +1,135 @@
+"""The CPU decode mirror (kernels/cpu_attention.py) equals the reference paged attention over many
+steps of a changing batch: sequences joining, leaving, restarting (preemption), prefill chunks mixed
+in, GQA, sliding windows, and the fall-back when the mirror's memory budget is too small."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from arcserve.kernels import cpu_attention, reference
+from arcserve.kernels.reference import AttentionMetadata
+
+BS, KVH, H, D, LAYERS, NB = 4, 2, 6, 8, 2, 400
+
+
+def make_meta(batch, block_tables, mirror, window):
+    """batch: list of (seq_id, start, n_new)."""
+    q_lens = np.array([n for _, _, n in batch])
+    qsl = np.zeros(len(batch) + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=qsl[1:])
+    seq_lens = np.array([s + n for _, s, n in batch])
+    width = max(-(-int(x) // BS) for x in seq_lens)
+    tables = np.zeros((len(batch), width), dtype=np.int64)
+    slots = []
+    for i, (sid, s, n) in enumerate(batch):
+        bt = block_tables[sid]
+        tables[i, : len(bt[:width])] = bt[:width]
+        slots += [bt[p // BS] * BS + p % BS for p in range(s, s + n)]
+    return AttentionMetadata(
+        query_start_loc=torch.from_numpy(qsl).int(),
+        seq_lens=torch.from_numpy(seq_lens).int(),
+        block_tables=torch.from_numpy(tables).int(),
+        slot_mapping=torch.tensor(slots),
+        max_query_len=int(q_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+        host={"query_start_loc": qsl, "seq_lens": seq_lens, "seq_ids": np.array([b[0] for b in batch]),
+              "decode_mirror": mirror, "sliding_window": window},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("seed,window,budget", [(0, None, 1 << 30), (1, 7, 1 << 30), (2, None, 1 << 30), (3, None, 4000)])
+def test_mirror_matches_reference_over_changing_batches(seed, window, budget, monkeypatch):
+    monkeypatch.setattr(cpu_attention, "MIN_MIRROR_CONTEXT", 1)  # tiny contexts: always mirror
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    kc = [torch.randn(NB, BS, KVH, D) for _ in range(LAYERS)]
+    vc = [torch.randn(NB, BS, KVH, D) for _ in range(LAYERS)]
+    mirror = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, torch.device("cpu"), budget)
+    free = list(range(NB))
+    rng.shuffle(free)
+    seqs: dict[int, int] = {}  # seq id -> tokens computed
+    tables: dict[int, list[int]] = {}
+    next_id = 0
+    used_mirror = False
+    for _step in range(60):
+        # churn: new sequences arrive, some leave, one sometimes restarts from scratch (preempted)
+        if len(seqs) < 6 and rng.random() < 0.5:
+            seqs[next_id], tables[next_id] = 0, [free.pop() for _ in range(16)]
+            next_id += 1
+        if seqs and rng.random() < 0.15:
+            sid = rng.choice(list(seqs))
+            free += tables.pop(sid)
+            del seqs[sid]
+        if seqs and rng.random() < 0.1:
+            seqs[rng.choice(list(seqs))] = 0
+        batch = []
+        for sid, done in seqs.items():
+            if done == 0 or rng.random() < 0.1:  # prefill chunk (or a skipped decode turns into one)
+                n = rng.randint(2, 9) if done == 0 else 1
+            else:
+                n = 1
+            if done + n > 16 * BS:
+                continue
+            batch.append((sid, done, n))
+        if not batch:
+            continue
+        meta_fast = make_meta(batch, tables, mirror, window)
+        meta_ref = make_meta(batch, tables, None, window)
+        T = int(meta_fast.host["query_start_loc"][-1])
+        for layer in range(LAYERS):
+            q, k, v = torch.randn(T, H, D), torch.randn(T, KVH, D), torch.randn(T, KVH, D)
+            reference.store_kv(k, v, kc[layer], vc[layer], meta_fast.slot_mapping)
+            fast = cpu_attention.paged_attention(q, k, v, kc[layer], vc[layer], meta_fast, 0.3, window, layer)
+            ref = reference.paged_attention(q, k, v, kc[layer], vc[layer], meta_ref, 0.3, window)
+            torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+        used_mirror |= meta_fast.cache.get("mirror_plan") is not None
+        for sid, s, n in batch:
+            seqs[sid] = s + n
+    # The big budget serves decodes from the mirror; the tiny one must fall back every time.
+    assert used_mirror == (budget > 4000)
+
+
+def brute_force(q, kc, vc, meta, scale, window):
+    """Per-token attention straight from the definition: token at position p of a sequence attends to
+    positions [max(0, p - window + 1), p] of that sequence, read slot by slot from the paged cache."""
+    qsl, seq_lens = meta.host["query_start_loc"], meta.host["seq_lens"]
+    out = torch.empty_like(q)
+    g = q.shape[1] // kc.shape[2]
+    for i in range(len(seq_lens)):
+        n, ctx = int(qsl[i + 1] - qsl[i]), int(seq_lens[i])
+        pos = torch.arange(ctx)
+        slots = meta.block_tables[i].long()[pos // BS] * BS + pos % BS
+        K, V = kc.view(-1, KVH, D)[slots], vc.view(-1, KVH, D)[slots]
+        for j in range(n):
+            p = ctx - n + j
+            lo = 0 if window is None else max(0, p - window + 1)
+            qq = q[qsl[i] + j].view(KVH, g, D)
+            s = torch.einsum("kgd,lkd->kgl", qq, K[lo : p + 1]) * scale
+            out[qsl[i] + j] = torch.einsum("kgl,lkd->kgd", s.softmax(-1), V[lo : p + 1]).reshape(-1, D)
+    return out
+
+
+@pytest.mark.parametrize("seed,window", [(0, None), (1, 5), (2, None), (3, 3)])
+def test_reference_paged_attention_matches_definition(seed, window):
+    """Mixed batches in any order (prefill chunks before decodes, cached prefixes, chunks ending on and
+    just past block boundaries) against the per-token definition."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    kc, vc = torch.randn(NB, BS, KVH, D), torch.randn(NB, BS, KVH, D)
+    free = list(range(NB))
+    rng.shuffle(free)
+    batch, tables = [], {}
+    for sid in range(7):
+        start = rng.choice([0, 0, BS, 2 * BS - 1, 3 * BS, 5])  # fresh, block-aligned or ragged prefix
+        n = rng.choice([1, 1, BS, BS + 1, 3, 2 * BS])
+        tables[sid] = [free.pop() for _ in range(-(-(start + n) // BS))]
+        batch.append((sid, start, n))
+    rng.shuffle(batch)
+    meta = make_meta(batch, tables, None, window)
+    T = int(meta.host["query_start_loc"][-1])
+    q, k, v = torch.randn(T, H, D), torch.randn(T, KVH, D), torch.randn(T, KVH, D)
+    reference.store_kv(k, v, kc, vc, meta.slot_mapping)
+    got = reference.paged_attention(q, k, v, kc, vc, meta, 0.3, window)
+    torch.testing.assert_close(got, brute_force(q, kc, vc, meta, 0.3, window), rtol=1e-5, atol=1e-5)
