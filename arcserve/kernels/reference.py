@@ -18,8 +18,9 @@ _PACK_BATCH_HINT = 64  # oneDNN layout tuned for ~64 rows; measured best from 1 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """On CPU, reorder bf16/fp16 weights once into oneDNN's blocked layout (AMX/AVX-512 friendly):
-    the same results as F.linear, 1.1-2x faster (docs/BENCHMARKS.md). fp32 weights stay as they
-    are, so fp32 runs remain bit-identical to transformers."""
+    the same results as F.linear, ~1.4x faster for 1 to 64 rows and on par at 512
+    (benchmarks/cpu_ops.py, docs/BENCHMARKS.md). fp32 weights stay as they are, so fp32 runs remain
+    bit-identical to transformers."""
     if (
         weight.device.type == "cpu"
         and weight.dtype in (torch.bfloat16, torch.float16)
@@ -38,15 +39,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim with float32 accumulation. fp32 input: F.rms_norm, bit-equal to the
-    transformers formula. bf16/fp16: the sum of squares through vector_norm, which is up to 5x faster
-    on CPU than F.rms_norm (docs/BENCHMARKS.md); the weight multiply happens before the final
-    rounding, as in vLLM."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    xf = x.float()
-    ms = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(x.shape[-1])
-    return (xf * ms.add_(eps).rsqrt_() * weight).to(x.dtype)
+    """RMSNorm over the last dim with float32 accumulation (bit-equal to transformers in fp32)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def fused_add_rms_norm(
