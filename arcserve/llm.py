@@ -38,6 +38,10 @@ class LLM:
         llm._ids = itertools.count()
         return llm
 
+    def get_metrics(self) -> dict:
+        """The engine's figures by their Prometheus names (the same ones /metrics serves)."""
+        return self.llm_engine.get_metrics()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

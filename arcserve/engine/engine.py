@@ -12,6 +12,7 @@ import torch
 
 from arcserve.config import EngineArgs
 from arcserve.engine.kv_cache import KVCacheManager
+from arcserve.engine.metrics import EngineMetrics
 from arcserve.engine.output_processor import OutputProcessor, RequestGroup
 from arcserve.engine.policy import make_policy
 from arcserve.engine.request import Request, RequestStatus
@@ -67,8 +68,7 @@ class LLMEngine:
             self.max_num_batched_tokens, self.max_model_len,
         )  # fmt: skip
         self.outputs = OutputProcessor(self.tokenizer)
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
+        self.metrics = EngineMetrics(self.max_model_len)
 
     # ---- startup ----------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -138,17 +138,16 @@ class LLMEngine:
         )  # fmt: skip
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
-    def add_request(
+    def prepare_request(
         self,
         request_id: str,
         prompt,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
-    ) -> None:
-        """Validate and queue a request. Raises ValueError (and changes nothing) on bad input."""
-        if request_id in self.outputs.groups:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+    ) -> tuple[RequestGroup, list[Request]]:
+        """Tokenize and validate a request without touching engine state (safe from any thread).
+        Raises ValueError naming what is wrong."""
         params = params or self.default_sampling_params()
         text, ids = self.tokenize_prompt(prompt)
         self._validate(ids, params)
@@ -167,10 +166,28 @@ class LLMEngine:
                 req.generator = torch.Generator(device=self.device)
                 req.generator.manual_seed(params.seed + i)
             children.append(req)
+        return group, children
+
+    def add_prepared(self, prepared: tuple[RequestGroup, list[Request]]) -> None:
+        group, children = prepared
+        if group.request_id in self.outputs.groups:
+            raise ValueError(f"request_id {group.request_id!r} is already in use")
         self.outputs.add(group, children)
-        self.num_prompt_tokens += len(ids)
         for req in children:
             self.scheduler.add_request(req)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Validate and queue a request. Raises ValueError (and changes nothing) on bad input."""
+        if request_id in self.outputs.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.add_prepared(self.prepare_request(request_id, prompt, params, arrival_time, priority))
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -195,7 +212,8 @@ class LLMEngine:
             if group is None:
                 continue
             for s in group.seqs:
-                self.scheduler.finish_request(s.req.request_id, RequestStatus.FINISHED_ABORTED)
+                if self.scheduler.finish_request(s.req.request_id, RequestStatus.FINISHED_ABORTED):
+                    self._record_finish(s.req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.outputs.groups)
@@ -210,10 +228,16 @@ class LLMEngine:
             return []
         result = self.runner.execute(sched)
         got = self.scheduler.update(sched, result.tokens)
-        self.num_generation_tokens += len(got)
+        now = time.time()
         touched: dict[str, RequestGroup] = {}
         for req in got:
             token = req.token_ids[-1]
+            m = req.metrics
+            first = m.first_token_time is None
+            self.metrics.on_token(first, now - (m.arrival_time if first else m.last_token_time), req.num_prompt_tokens)
+            if first:
+                m.first_token_time = now
+            m.last_token_time = now
             stop_str = self.outputs.on_token(req, token, result.logprobs.get(req.request_id))
             if stop_str is not None:  # a stop string wins over a length stop in the same step
                 if req.is_finished:
@@ -222,6 +246,7 @@ class LLMEngine:
                     self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             if req.is_finished:
                 self.outputs.on_finish(req, req.status.value, stop_str if stop_str is not None else req.stop_reason)
+                self._record_finish(req)
             group, _ = self.outputs.seq_of[req.request_id]
             touched[group.request_id] = group
         outs = []
@@ -232,3 +257,31 @@ class LLMEngine:
             if group.finished:
                 self.outputs.remove(group.request_id)
         return outs
+
+    # ---- figures ------------------------------------------------------------------------------
+    def _record_finish(self, req: Request) -> None:
+        m = req.metrics
+        now = time.time()
+        queue = None if m.first_scheduled_time is None else m.first_scheduled_time - m.arrival_time
+        self.metrics.on_finish(req.status.value, req.num_prompt_tokens, req.num_output_tokens, now - m.arrival_time, queue)
+
+    def get_metrics(self) -> dict:
+        """Every figure the server exports, by its Prometheus name (histograms as dicts with count,
+        sum and cumulative buckets; finished requests by reason under request_success_total)."""
+        st = self.scheduler.stats()
+        m = self.metrics
+        with m.lock:
+            out = {
+                "arcserve:num_requests_running": st.num_running,
+                "arcserve:num_requests_waiting": st.num_waiting,
+                "arcserve:kv_cache_usage_perc": st.kv_cache_usage,
+                "arcserve:prefix_cache_queries_total": st.prefix_cache_queries,
+                "arcserve:prefix_cache_hits_total": st.prefix_cache_hits,
+                "arcserve:prompt_tokens_total": m.prompt_tokens,
+                "arcserve:generation_tokens_total": m.generation_tokens,
+                "arcserve:request_success_total": dict(m.success),
+                "arcserve:num_preemptions_total": st.num_preemptions,
+            }
+            for name, h in m.hist.items():
+                out[f"arcserve:{name}"] = {"count": h.count, "sum": h.sum, "buckets": h.cumulative()}
+        return out

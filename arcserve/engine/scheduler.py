@@ -185,7 +185,6 @@ class Scheduler:
         """Advance computed counts, append sampled tokens, apply token-level stops.
         Returns the requests that received a token (finished ones included, already freed)."""
         got_token = []
-        now = time.time()
         for seq in out.seqs:
             req = seq.request
             if req.status != RequestStatus.RUNNING:
@@ -196,9 +195,6 @@ class Scheduler:
                 continue
             token = sampled[req.request_id]
             req.token_ids.append(token)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.last_token_time = now
             got_token.append(req)
             status = self._check_stop(req, token)
             if status is not None:

@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 DEMO_NAME = "SmolLM2-135M-Instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DONE_MARKER = ".arcserve-complete"
+_DONE_MARKER = ".arcserve-complete-v2"  # v2: float32 weights (v1 rounded them to bf16)
 
 
 def cache_root() -> Path:
@@ -68,22 +68,26 @@ def _convert(gguf_path: Path, out: Path) -> None:
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
     )
     steps.update()
-    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    # float32 keeps the dequantized Q4_1 values exactly (bf16 would round them once more); serve
+    # with --dtype bfloat16 for speed.
+    state = {k: v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["architectures"] = ["LlamaForCausalLM"]  # GGUF loading leaves it empty
-    config["torch_dtype"] = config["dtype"] = "bfloat16"
+    config["torch_dtype"] = config["dtype"] = "float32"
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     model.generation_config.to_json_file(str(tmp / "generation_config.json"))
     (tmp / _DONE_MARKER).write_text("ok\n")
     steps.update()
     steps.close()
-    if out.exists():  # another process finished first; keep theirs
-        import shutil
+    import shutil
 
+    if (out / _DONE_MARKER).is_file():  # another process finished first; keep theirs
         shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        tmp.rename(out)
+        return
+    if out.exists():  # an older conversion
+        shutil.rmtree(out)
+    tmp.rename(out)

@@ -1,0 +1,94 @@
+"""Engine figures in one place: counters, gauges and histograms that LLMEngine updates as it works.
+
+The Prometheus endpoint (api/metrics.py) and LLM.get_metrics() both read from here, so the two
+always agree. Updated by the engine thread; read by others under the lock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+def one_two_five(limit: int) -> list[float]:
+    out, m = [], 1
+    while True:
+        for f in (1, 2, 5):
+            if f * m > limit:
+                return [float(x) for x in out]
+            out.append(f * m)
+        m *= 10
+
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
+ITL_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0]  # fmt: skip
+LATENCY_BUCKETS = [0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
+
+
+@dataclass
+class Histogram:
+    buckets: list[float]
+    counts: list[int] = field(default_factory=list)  # per bucket (not cumulative), + the +Inf bucket
+    count: int = 0
+    sum: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, v)] += 1
+        self.count += 1
+        self.sum += v
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, total = [], 0
+        for le, c in zip([*map(str, self.buckets), "+Inf"], self.counts):
+            total += c
+            out.append((le, total))
+        return out
+
+
+class EngineMetrics:
+    HISTOGRAMS = (
+        "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+        "request_queue_time_seconds", "request_prompt_tokens", "request_generation_tokens",
+    )  # fmt: skip
+
+    def __init__(self, max_model_len: int) -> None:
+        self.lock = threading.Lock()
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.success: dict[str, int] = defaultdict(int)  # finished_reason -> count
+        tokens = one_two_five(max_model_len)
+        self.hist = {
+            "time_to_first_token_seconds": Histogram(TTFT_BUCKETS),
+            "inter_token_latency_seconds": Histogram(ITL_BUCKETS),
+            "e2e_request_latency_seconds": Histogram(LATENCY_BUCKETS),
+            "request_queue_time_seconds": Histogram(LATENCY_BUCKETS),
+            "request_prompt_tokens": Histogram(tokens),
+            "request_generation_tokens": Histogram(tokens),
+        }
+
+    def on_token(self, first: bool, latency: float, num_prompt: int) -> None:
+        """One generated token: `latency` is the time to first token or since the previous token.
+        The first token of a sequence also accounts for its prompt tokens (prefill done)."""
+        with self.lock:
+            self.generation_tokens += 1
+            if first:
+                self.prompt_tokens += num_prompt
+            name = "time_to_first_token_seconds" if first else "inter_token_latency_seconds"
+            self.hist[name].observe(latency)
+
+    def on_finish(self, reason: str, num_prompt: int, num_generated: int, e2e: float, queue: float | None) -> None:
+        with self.lock:
+            self.success[reason] += 1
+            self.hist["e2e_request_latency_seconds"].observe(e2e)
+            if queue is not None:
+                self.hist["request_queue_time_seconds"].observe(queue)
+            self.hist["request_prompt_tokens"].observe(num_prompt)
+            self.hist["request_generation_tokens"].observe(num_generated)
