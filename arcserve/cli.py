@@ -55,9 +55,29 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(ns: argparse.Namespace) -> int:
+    from arcserve.api.server import run_server
+    from arcserve.models.demo import DEMO_NAME
+
+    if ns.served_model_name is None:
+        ns.served_model_name = ns.model or DEMO_NAME
+    run_server(ns, engine_args_from(ns))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="arcserve", description="arcserve LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default model: the bundled demo)")
+    add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="model name in the API (default: MODEL_DIR)")
+    s.add_argument("--api-key", default=None, help="require this bearer key (also ARCSERVE_API_KEY)")
+    s.add_argument("--chat-template", default=None, help="a Jinja chat template file to use")
+    s.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="answer 503 while this many requests are waiting")  # fmt: skip
+    s.set_defaults(func=_serve)
     g = sub.add_parser("generate", help="print one completion of a prompt")
     add_engine_args(g)
     g.add_argument("--prompt", required=True)

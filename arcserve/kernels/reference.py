@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-
 _PACK_BATCH_HINT = 64  # oneDNN layout tuned for ~64 rows; measured best from 1 to 2048 rows
 
 

@@ -1,0 +1,276 @@
+"""/v1/completions and /v1/chat/completions: requests in, engine streams out, OpenAI JSON / SSE back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from arcserve.api.errors import APIError, bad_request, error_body
+from arcserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from arcserve.engine.async_engine import AsyncLLM, RequestStream
+from arcserve.outputs import CompletionOutput, RequestOutput
+
+
+class Serving:
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.engine = engine
+        self.llm = engine.engine
+        self.model_name = model_name
+        self.tokenizer = self.llm.tokenizer
+
+    # ---- shared --------------------------------------------------------------------------------
+    def _start(self, prompts: list, params_for, req: Request, priority: int, stream: bool) -> list[RequestStream]:
+        """Queue one engine request per prompt; all or nothing (a bad prompt aborts the others)."""
+        base = f"{uuid.uuid4().hex}"
+        streams: list[RequestStream] = []
+        try:
+            for i, p in enumerate(prompts):
+                params = params_for(p)
+                streams.append(self.engine.add_request(p, params, f"{base}-{i}", priority, stream))
+        except ValueError as e:
+            for s in streams:
+                s.close()
+            raise bad_request(e) from e
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        return streams
+
+    def _max_tokens(self, requested: int | None, prompt_len: int) -> int | None:
+        limit = self.llm.max_model_len
+        if requested is not None and prompt_len + requested > limit:
+            raise APIError(
+                400, f"This model's maximum context length is {limit} tokens; the request has "
+                f"{prompt_len} prompt tokens and asks for {requested} more ({prompt_len + requested}).",
+                param="max_tokens", code="context_length_exceeded",
+            )  # fmt: skip
+        return requested
+
+    def _prompt_len(self, prompt) -> int:
+        return len(self.llm.tokenize_prompt(prompt)[1])
+
+    async def _finals(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
+        """Wait for every stream's final output; abort them all if the client goes away."""
+        tasks = [asyncio.ensure_future(s.__anext__()) for s in streams]
+        try:
+            while True:
+                done, pending = await asyncio.wait(tasks, timeout=0.5)
+                if not pending:
+                    return [t.result() for t in tasks]
+                if await raw.is_disconnected():
+                    raise asyncio.CancelledError
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                s.close()
+
+    @staticmethod
+    async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) from all streams as they come."""
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, s: RequestStream) -> None:
+            try:
+                async for out in s:
+                    await q.put((i, out))
+            except BaseException as e:  # hand errors to the consumer
+                await q.put((i, e))
+            finally:
+                await q.put((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            left = len(streams)
+            while left:
+                i, item = await q.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                s.close()
+
+    @staticmethod
+    def _usage(prompt_lens: list[int], completion: int) -> dict:
+        p = sum(prompt_lens)
+        return {"prompt_tokens": p, "completion_tokens": completion, "total_tokens": p + completion}
+
+    @staticmethod
+    def _sse(obj) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    def _token_str(self, tid: int) -> str:
+        return self.tokenizer.decode([tid]) if tid < len(self.tokenizer) else ""
+
+    # ---- completions ---------------------------------------------------------------------------
+    def _completion_logprobs(self, o: CompletionOutput, offset: int, k: int) -> dict | None:
+        if o.logprobs is None:
+            return None
+        toks, lps, tops, offs = [], [], [], []
+        for tid, entries in zip(o.token_ids, o.logprobs):
+            s = entries[tid].decoded_token or ""
+            toks.append(s)
+            lps.append(entries[tid].logprob)
+            top = sorted(entries.values(), key=lambda e: e.rank)[:k]
+            tops.append({(e.decoded_token or ""): e.logprob for e in top})
+            offs.append(offset)
+            offset += len(s)
+        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
+    async def completions(self, body: CompletionRequest, raw: Request):
+        if body.suffix is not None:
+            raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, "best_of must equal n (or be left out)", param="best_of")
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported", param="echo")
+        try:
+            prompts = body.prompts()
+            plens = [self._prompt_len(p) for p in prompts]
+        except ValueError as e:
+            raise bad_request(e) from e
+        defaults = self.llm.generation_defaults.sampling
+
+        def params_for(p):
+            mt = self._max_tokens(body.max_tokens, self._prompt_len(p))
+            try:
+                return body.to_sampling_params(defaults, mt, body.logprobs)
+            except ValueError as e:
+                raise bad_request(e) from e
+
+        streams = self._start(prompts, params_for, raw, body.priority, body.stream)
+        echo = [self._prompt_text(p) if body.echo else "" for p in prompts]
+        rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.n
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                self._stream_completions(streams, rid, created, n, echo, plens, include_usage, body.logprobs or 0),
+                media_type="text/event-stream",
+            )
+        outs = await self._finals(streams, raw)
+        choices, completion = [], 0
+        for i, out in enumerate(outs):
+            for o in out.outputs:
+                completion += len(o.token_ids)
+                choices.append({
+                    "index": i * n + o.index, "text": echo[i] + o.text,
+                    "logprobs": self._completion_logprobs(o, len(echo[i]), body.logprobs or 0),
+                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+                })  # fmt: skip
+        choices.sort(key=lambda c: c["index"])
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                             "choices": choices, "usage": self._usage(plens, completion)})  # fmt: skip
+
+    def _prompt_text(self, p) -> str:
+        return p if isinstance(p, str) else self.tokenizer.decode(p["prompt_token_ids"])
+
+    async def _stream_completions(self, streams, rid, created, n, echo, plens, include_usage, k):
+        completion = 0
+        sent_echo: set[int] = set()
+        offsets: dict[int, int] = {}
+        try:
+            async for i, out in self._merge(streams):
+                for o in out.outputs:
+                    idx = i * n + o.index
+                    text = o.text
+                    if echo[i] and idx not in sent_echo:
+                        sent_echo.add(idx)
+                        text = echo[i] + text
+                    completion += len(o.token_ids)
+                    lp = self._completion_logprobs(o, offsets.get(idx, 0), k)
+                    offsets[idx] = offsets.get(idx, 0) + len(text)
+                    yield self._sse({
+                        "id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                        "choices": [{"index": idx, "text": text, "logprobs": lp, "finish_reason": o.finish_reason,
+                                     "stop_reason": o.stop_reason}],
+                    })  # fmt: skip
+            if include_usage:
+                yield self._sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                                 "choices": [], "usage": self._usage(plens, completion)})  # fmt: skip
+        except Exception as e:  # after the headers went out, errors travel in the stream
+            yield self._sse(error_body(500, f"generation failed: {e}", code="internal_error"))
+        yield "data: [DONE]\n\n"
+
+    # ---- chat ----------------------------------------------------------------------------------
+    def _chat_logprobs(self, o: CompletionOutput, k: int) -> dict | None:
+        if o.logprobs is None:
+            return None
+        content = []
+        for tid, entries in zip(o.token_ids, o.logprobs):
+            def item(t, e):
+                s = e.decoded_token or ""
+                return {"token": s, "logprob": e.logprob, "bytes": list(s.encode())}
+
+            top = sorted(entries.items(), key=lambda kv: kv[1].rank)[:k]
+            content.append({**item(tid, entries[tid]), "top_logprobs": [item(t, e) for t, e in top]})
+        return {"content": content}
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request, chat_template: str | None):
+        try:
+            text, ids = self.llm.apply_chat_template(
+                [m.as_template_dict() for m in body.messages], chat_template, body.add_generation_prompt,
+                body.chat_template_kwargs,
+            )  # fmt: skip
+        except ValueError as e:
+            raise bad_request(e) from e
+        except Exception as e:  # template rendering errors (jinja) are the request's fault
+            raise APIError(400, f"could not apply the chat template: {e}", param="messages") from e
+        prompt = {"prompt_token_ids": ids, "prompt": text}
+        k = body.top_logprobs or 0
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        mt = self._max_tokens(body.max_completion_tokens or body.max_tokens, len(ids))
+        try:
+            params = body.to_sampling_params(self.llm.generation_defaults.sampling, mt, k if body.logprobs else None)
+        except ValueError as e:
+            raise bad_request(e) from e
+        streams = self._start([prompt], lambda _p: params, raw, body.priority, body.stream)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._stream_chat(streams, rid, created, body.n, len(ids), include_usage, k),
+                                     media_type="text/event-stream")  # fmt: skip
+        (out,) = await self._finals(streams, raw)
+        choices = [{
+            "index": o.index, "message": {"role": "assistant", "content": o.text},
+            "logprobs": self._chat_logprobs(o, k), "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+        } for o in out.outputs]  # fmt: skip
+        completion = sum(len(o.token_ids) for o in out.outputs)
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
+                             "choices": choices, "usage": self._usage([len(ids)], completion)})  # fmt: skip
+
+    async def _stream_chat(self, streams, rid, created, n, plen, include_usage, k):
+        def chunk(choices, **extra):
+            return self._sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                              "model": self.model_name, "choices": choices, **extra})  # fmt: skip
+
+        completion = 0
+        try:
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(n)])  # fmt: skip
+            async for _i, out in self._merge(streams):
+                for o in out.outputs:
+                    completion += len(o.token_ids)
+                    if not o.text and o.finish_reason is None and o.logprobs is None:
+                        continue  # a token that completes no character yet: nothing to send
+                    yield chunk([{"index": o.index, "delta": {"content": o.text} if o.text else {},
+                                  "logprobs": self._chat_logprobs(o, k), "finish_reason": o.finish_reason,
+                                  "stop_reason": o.stop_reason}])  # fmt: skip
+            if include_usage:
+                yield chunk([], usage=self._usage([plen], completion))
+        except Exception as e:
+            yield self._sse(error_body(500, f"generation failed: {e}", code="internal_error"))
+        yield "data: [DONE]\n\n"

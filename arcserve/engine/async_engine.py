@@ -1,0 +1,182 @@
+"""AsyncLLM: the asyncio front of LLMEngine for the server.
+
+The engine runs in its own thread (steps are blocking tensor work and must not stall the event loop).
+Callers validate and tokenize on their side (LLMEngine.prepare_request is free of engine state),
+then hand the prepared request to the engine thread through a command queue; outputs come back on a
+per-request asyncio.Queue. A caller that goes away (client disconnect, cancellation) aborts its request,
+which frees its KV blocks at the engine's next turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from arcserve.engine.engine import LLMEngine
+from arcserve.outputs import RequestOutput
+from arcserve.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("arcserve")
+
+
+class EngineOverloaded(Exception):
+    """Too many requests are waiting; the caller should retry later (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._pending = 0  # requests handed over but not yet seen by the engine thread
+        self._lock = threading.Lock()
+        self._stop = False
+        self.dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="arcserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (event loop) -------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return self._pending + self.engine.scheduler.num_waiting
+
+    def add_request(
+        self, prompt, params: SamplingParams, request_id: str, priority: int = 0, stream: bool = True
+    ) -> RequestStream:
+        """Validate and queue a request; iterate the returned stream for its outputs (deltas when
+        `stream`, else one final output). Raises ValueError for bad input and EngineOverloaded when
+        the waiting queue is full, with nothing queued."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped after an internal error: {self.dead!r}")
+        params = params.clone()
+        params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        prepared = self.engine.prepare_request(request_id, prompt, params, time.time(), priority)
+        if self.max_waiting_requests is not None and self.num_waiting >= self.max_waiting_requests:
+            raise EngineOverloaded(f"{self.num_waiting} requests are already waiting")
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._streams[request_id] = (asyncio.get_running_loop(), q)
+            self._pending += 1
+        self._commands.put(("add", prepared))
+        self._wake.set()
+        return RequestStream(self, request_id, q, prepared[0].prompt_token_ids)
+
+    async def generate(self, prompt, params: SamplingParams, request_id: str, priority: int = 0,
+                       stream: bool = True) -> AsyncIterator[RequestOutput]:  # fmt: skip
+        s = self.add_request(prompt, params, request_id, priority, stream)
+        try:
+            async for out in s:
+                yield out
+        finally:
+            s.close()
+
+    def _release(self, request_id: str, finished: bool) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+        if not finished:
+            self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                with self._lock:
+                    self._pending -= 1
+                rid = arg[0].request_id
+                if rid not in self._streams:  # its caller already left
+                    continue
+                try:
+                    self.engine.add_prepared(arg)
+                except ValueError as e:
+                    self._deliver(rid, e)
+            else:
+                self.engine.abort_request(arg)
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._drain_commands()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # fail the requests in flight, keep serving the next ones
+                logger.exception("engine step failed; failing the requests in flight")
+                self._fail_all(e)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+
+    def _fail_all(self, err: Exception) -> None:
+        ids = list(self.engine.outputs.groups)
+        self.engine.abort_request(ids)
+        for rid in ids:
+            self._deliver(rid, RuntimeError(f"internal error while generating: {err!r}"))
+
+
+class RequestStream:
+    """Outputs of one request. close() (or leaving an `async for` early) aborts it if unfinished."""
+
+    def __init__(self, owner: AsyncLLM, request_id: str, q: asyncio.Queue, prompt_token_ids: list[int]):
+        self.owner, self.request_id, self.q = owner, request_id, q
+        self.prompt_token_ids = prompt_token_ids
+        self.finished = False
+        self.closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self.closed:
+            raise StopAsyncIteration
+        try:
+            item = await self.q.get()
+        except BaseException:  # cancelled (client went away): abort the request
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            self.close()
+            raise item
+        if item.finished:
+            self.finished = True
+            self.close()
+        return item
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.owner._release(self.request_id, self.finished)
