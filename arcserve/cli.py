@@ -55,6 +55,12 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_serve(ns: argparse.Namespace) -> int:
+    from arcserve.bench.serve import main as bench_main
+
+    return bench_main(ns)
+
+
 def _serve(ns: argparse.Namespace) -> int:
     from arcserve.api.server import run_server
     from arcserve.models.demo import DEMO_NAME
@@ -78,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="answer 503 while this many requests are waiting")  # fmt: skip
     s.set_defaults(func=_serve)
+    b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    bs = b.add_parser("serve", help="load an OpenAI-compatible server and report TTFT/TPOT/ITL")
+    from arcserve.bench.serve import add_args as add_bench_args
+
+    add_bench_args(bs)
+    bs.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    bs.set_defaults(func=_bench_serve)
+
     g = sub.add_parser("generate", help="print one completion of a prompt")
     add_engine_args(g)
     g.add_argument("--prompt", required=True)
