@@ -45,6 +45,12 @@ class Serving:
 
     def _max_tokens(self, requested: int | None, prompt_len: int) -> int | None:
         limit = self.llm.max_model_len
+        if prompt_len >= limit:
+            raise APIError(
+                400, f"The prompt has {prompt_len} tokens but this model's maximum context length "
+                f"(max_model_len) is {limit}; the prompt plus at least one generated token must fit.",
+                param="prompt", code="context_length_exceeded",
+            )  # fmt: skip
         if requested is not None and prompt_len + requested > limit:
             raise APIError(
                 400, f"This model's maximum context length is {limit} tokens; the request has "
