@@ -28,6 +28,6 @@ run() {  # name, command...
 
 run arcserve arcserve serve "$MODEL" --port $PORT --dtype bfloat16 --max-model-len 2048 --log-level warning
 if [ -n "$VLLM_PY" ]; then
-  HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=4 run vllm "$VLLM_PY" -m vllm.entrypoints.openai.api_server \
+  run vllm env HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=4 "$VLLM_PY" -m vllm.entrypoints.openai.api_server \
     --model "$MODEL" --dtype bfloat16 --max-model-len 2048 --host 127.0.0.1 --port $PORT
 fi
