@@ -221,3 +221,27 @@ def test_generation_config_defaults(tmp_path, llama_dir):
     assert llm.llm_engine.eos_token_ids == {2, 7}
     out = llm.generate("x", greedy(6, logit_bias={7: 100.0}), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == [7] and out.finish_reason == "stop"
+
+
+def test_get_metrics_counts_exactly(llama_dir):
+    llm = LLM(str(llama_dir), dtype="float32", max_model_len=128)
+    outs = llm.generate(["The quick", "Paris is", "def"], [greedy(5), greedy(7), greedy(3)], use_tqdm=False)
+    m = llm.get_metrics()
+    gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    assert gen == 15
+    assert m["arcserve:generation_tokens_total"] == gen
+    assert m["arcserve:prompt_tokens_total"] == prompt
+    assert m["arcserve:request_success_total"] == {"length": 3}
+    assert m["arcserve:num_requests_running"] == 0 and m["arcserve:kv_cache_usage_perc"] == 0.0
+    assert m["arcserve:time_to_first_token_seconds"]["count"] == 3
+    assert m["arcserve:inter_token_latency_seconds"]["count"] == gen - 3
+    assert m["arcserve:request_generation_tokens"]["sum"] == gen
+    assert m["arcserve:e2e_request_latency_seconds"]["buckets"][-1] == ("+Inf", 3)
+    # A second identical request hits the prefix cache for the full blocks of the first.
+    long = "The quick brown fox jumps over the lazy dog again and again and again"
+    llm.generate(long, greedy(2), use_tqdm=False)
+    llm.generate(long, greedy(2), use_tqdm=False)
+    m2 = llm.get_metrics()
+    assert m2["arcserve:prefix_cache_hits_total"] > m["arcserve:prefix_cache_hits_total"]
+    assert m2["arcserve:prefix_cache_queries_total"] > m2["arcserve:prefix_cache_hits_total"]
