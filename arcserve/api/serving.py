@@ -73,10 +73,7 @@ class Serving:
                 if await raw.is_disconnected():
                     raise asyncio.CancelledError
         finally:
-            for t in tasks:
-                t.cancel()
-            for s in streams:
-                s.close()
+            _cancel(tasks, streams)
 
     @staticmethod
     async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -104,10 +101,7 @@ class Serving:
                 else:
                     yield i, item
         finally:
-            for t in tasks:
-                t.cancel()
-            for s in streams:
-                s.close()
+            _cancel(tasks, streams)
 
     @staticmethod
     def _usage(prompt_lens: list[int], completion: int) -> dict:
@@ -280,3 +274,11 @@ class Serving:
         except Exception as e:
             yield self._sse(error_body(500, f"generation failed: {e}", code="internal_error"))
         yield "data: [DONE]\n\n"
+
+
+def _cancel(tasks: list[asyncio.Future], streams: list[RequestStream]) -> None:
+    """Stop waiting and abort whatever has not finished (a finished stream's close is a no-op)."""
+    for t in tasks:
+        t.cancel()
+    for s in streams:
+        s.close()

@@ -185,8 +185,6 @@ class LLMEngine:
         priority: int = 0,
     ) -> None:
         """Validate and queue a request. Raises ValueError (and changes nothing) on bad input."""
-        if request_id in self.outputs.groups:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         self.add_prepared(self.prepare_request(request_id, prompt, params, arrival_time, priority))
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
