@@ -37,6 +37,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-k logprobs of every prompt token (after the first)
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -85,8 +86,10 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", f"in [0, {MAX_LOGPROBS}]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "an integer")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad("prompt_logprobs", f"in [0, {MAX_LOGPROBS}]")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
+            raise bad("seed", "an integer in [-2**63, 2**63)")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
         if any(t < 0 for t in self.stop_token_ids):

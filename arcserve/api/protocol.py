@@ -54,7 +54,8 @@ class _Sampling(BaseModel):
             raise ValueError(f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_LEN} characters")
         return stop
 
-    def to_sampling_params(self, defaults: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict, max_tokens: int | None, logprobs: int | None,
+                           prompt_logprobs: int | None = None) -> SamplingParams:  # fmt: skip
         def pick(name: str, fallback):
             v = getattr(self, name)
             return v if v is not None else defaults.get(name, fallback)
@@ -73,7 +74,8 @@ class _Sampling(BaseModel):
             repetition_penalty=pick("repetition_penalty", 1.0), seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, stop=self._stop_list(), stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, logit_bias=bias, skip_special_tokens=self.skip_special_tokens,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias,
+            skip_special_tokens=self.skip_special_tokens,
         )  # fmt: skip
 
 

@@ -25,6 +25,24 @@ logger = logging.getLogger("arcserve")
 OPEN_PATHS = {"/health", "/metrics", "/ping", "/version", "/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc"}
 
 
+class APIKeyMiddleware:
+    """Bearer-key check as plain ASGI middleware (Starlette's BaseHTTPMiddleware would hide client
+    disconnects from the handlers, and a request whose client left must be aborted)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            token = given[7:] if given[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.key):
+                resp = error_response(401, "Missing or invalid API key (send Authorization: Bearer <key>)",
+                                      code="invalid_api_key")  # fmt: skip
+                return await resp(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None,
               chat_template: str | None = None) -> FastAPI:  # fmt: skip
     llm = engine.engine
@@ -34,15 +52,8 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
                   description="OpenAI-compatible API served by arcserve")  # fmt: skip
     created = int(time.time())
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        if api_key and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), api_key.encode()):
-                return error_response(401, "Missing or invalid API key (send Authorization: Bearer <key>)",
-                                      code="invalid_api_key")  # fmt: skip
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     @app.exception_handler(APIError)
     async def api_error(_r: Request, e: APIError):

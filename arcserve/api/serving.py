@@ -28,20 +28,11 @@ class Serving:
     def _start(self, prompts: list, params_for, req: Request, priority: int, stream: bool) -> list[RequestStream]:
         """Queue one engine request per prompt; all or nothing (a bad prompt aborts the others)."""
         base = f"{uuid.uuid4().hex}"
-        streams: list[RequestStream] = []
+        items = [(p, params_for(p), f"{base}-{i}") for i, p in enumerate(prompts)]
         try:
-            for i, p in enumerate(prompts):
-                params = params_for(p)
-                streams.append(self.engine.add_request(p, params, f"{base}-{i}", priority, stream))
+            return self.engine.add_requests(items, priority, stream)
         except ValueError as e:
-            for s in streams:
-                s.close()
             raise bad_request(e) from e
-        except BaseException:
-            for s in streams:
-                s.close()
-            raise
-        return streams
 
     def _max_tokens(self, requested: int | None, prompt_len: int) -> int | None:
         limit = self.llm.max_model_len
@@ -125,7 +116,7 @@ class Serving:
             toks.append(s)
             lps.append(entries[tid].logprob)
             top = sorted(entries.values(), key=lambda e: e.rank)[:k]
-            tops.append({(e.decoded_token or ""): e.logprob for e in top})
+            tops.append(_top_dict(top))
             offs.append(offset)
             offset += len(s)
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
@@ -135,8 +126,6 @@ class Serving:
             raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of must equal n (or be left out)", param="best_of")
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported", param="echo")
         try:
             prompts = body.prompts()
             plens = [self._prompt_len(p) for p in prompts]
@@ -147,7 +136,8 @@ class Serving:
         def params_for(p):
             mt = self._max_tokens(body.max_tokens, self._prompt_len(p))
             try:
-                return body.to_sampling_params(defaults, mt, body.logprobs)
+                prompt_lp = body.logprobs if body.echo else None
+                return body.to_sampling_params(defaults, mt, body.logprobs, prompt_lp)
             except ValueError as e:
                 raise bad_request(e) from e
 
@@ -167,12 +157,42 @@ class Serving:
                 completion += len(o.token_ids)
                 choices.append({
                     "index": i * n + o.index, "text": echo[i] + o.text,
-                    "logprobs": self._completion_logprobs(o, len(echo[i]), body.logprobs or 0),
+                    "logprobs": self._echo_logprobs(out, o, body) if body.echo
+                    else self._completion_logprobs(o, 0, body.logprobs or 0),
                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
                 })  # fmt: skip
         choices.sort(key=lambda c: c["index"])
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                              "choices": choices, "usage": self._usage(plens, completion)})  # fmt: skip
+
+    def _prompt_part(self, out: RequestOutput, k: int) -> dict:
+        """Legacy logprobs of the prompt tokens (the first has none), for echo."""
+        toks, lps, tops, offs, off = [], [], [], [], 0
+        for tid, entries in zip(out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids)):
+            s = self._token_str(tid)
+            toks.append(s)
+            offs.append(off)
+            off += len(s)
+            if entries is None:
+                lps.append(None)
+                tops.append(None)
+            else:
+                lps.append(entries[tid].logprob)
+                top = sorted(entries.values(), key=lambda e: e.rank)[:k]
+                tops.append(_top_dict(top))
+        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
+    @staticmethod
+    def _join_logprobs(a: dict, b: dict) -> dict:
+        shift = (a["text_offset"][-1] + len(a["tokens"][-1])) if a["tokens"] else 0
+        return {"tokens": a["tokens"] + b["tokens"], "token_logprobs": a["token_logprobs"] + b["token_logprobs"],
+                "top_logprobs": a["top_logprobs"] + b["top_logprobs"],
+                "text_offset": a["text_offset"] + [x + shift for x in b["text_offset"]]}  # fmt: skip
+
+    def _echo_logprobs(self, out: RequestOutput, o: CompletionOutput, body: CompletionRequest) -> dict | None:
+        if body.logprobs is None:
+            return None
+        return self._join_logprobs(self._prompt_part(out, body.logprobs), self._completion_logprobs(o, 0, body.logprobs))
 
     def _prompt_text(self, p) -> str:
         return p if isinstance(p, str) else self.tokenizer.decode(p["prompt_token_ids"])
@@ -180,6 +200,7 @@ class Serving:
     async def _stream_completions(self, streams, rid, created, n, echo, plens, include_usage, k):
         completion = 0
         sent_echo: set[int] = set()
+        sent_lp: set[int] = set()
         offsets: dict[int, int] = {}
         try:
             async for i, out in self._merge(streams):
@@ -190,8 +211,15 @@ class Serving:
                         sent_echo.add(idx)
                         text = echo[i] + text
                     completion += len(o.token_ids)
-                    lp = self._completion_logprobs(o, offsets.get(idx, 0), k)
-                    offsets[idx] = offsets.get(idx, 0) + len(text)
+                    # Offsets follow the tokens' own text (the streamed text is held back while a
+                    # character or a possible stop string is incomplete).
+                    start = offsets.get(idx, len(echo[i]))
+                    lp = self._completion_logprobs(o, start, k)
+                    if lp is not None:
+                        offsets[idx] = start + sum(len(t) for t in lp["tokens"])
+                        if echo[i] and idx not in sent_lp:  # first chunk: the prompt's logprobs too
+                            sent_lp.add(idx)
+                            lp = self._join_logprobs(self._prompt_part(out, k), lp)
                     yield self._sse({
                         "id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                         "choices": [{"index": idx, "text": text, "logprobs": lp, "finish_reason": o.finish_reason,
@@ -282,3 +310,11 @@ def _cancel(tasks: list[asyncio.Future], streams: list[RequestStream]) -> None:
         t.cancel()
     for s in streams:
         s.close()
+
+
+def _top_dict(top) -> dict[str, float]:
+    """Legacy top_logprobs: text -> logprob, best first; tokens that decode alike keep the best."""
+    d: dict[str, float] = {}
+    for e in top:
+        d.setdefault(e.decoded_token or "", e.logprob)
+    return d

@@ -56,22 +56,44 @@ class AsyncLLM:
         """Validate and queue a request; iterate the returned stream for its outputs (deltas when
         `stream`, else one final output). Raises ValueError for bad input and EngineOverloaded when
         the waiting queue is full, with nothing queued."""
+        return self.add_requests([(prompt, params, request_id)], priority, stream)[0]
+
+    def add_requests(self, items: list[tuple], priority: int = 0, stream: bool = True) -> list[RequestStream]:
+        """(prompt, params, request_id) items, all validated before any is queued: all or nothing."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped after an internal error: {self.dead!r}")
-        params = params.clone()
-        params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-        prepared = self.engine.prepare_request(request_id, prompt, params, time.time(), priority)
-        if self.max_waiting_requests is not None and self.num_waiting >= self.max_waiting_requests:
-            raise EngineOverloaded(f"{self.num_waiting} requests are already waiting")
-        q: asyncio.Queue = asyncio.Queue()
+        prepared = []
+        for prompt, params, request_id in items:
+            params = params.clone()
+            params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+            prepared.append(self.engine.prepare_request(request_id, prompt, params, time.time(), priority))
+        self._check_capacity(sum(g.params.n for g, _ in prepared))
+        loop = asyncio.get_running_loop()
+        streams = []
         with self._lock:
-            if request_id in self._streams:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            self._streams[request_id] = (asyncio.get_running_loop(), q)
-            self._pending += 1
-        self._commands.put(("add", prepared))
+            dup = [g.request_id for g, _ in prepared if g.request_id in self._streams]
+            if dup:
+                raise ValueError(f"request_id {dup[0]!r} is already in use")
+            for group, _ in prepared:
+                q: asyncio.Queue = asyncio.Queue()
+                self._streams[group.request_id] = (loop, q)
+                streams.append(RequestStream(self, group.request_id, q, group.prompt_token_ids))
+            self._pending += len(prepared)
+        for p in prepared:
+            self._commands.put(("add", p))
         self._wake.set()
-        return RequestStream(self, request_id, q, prepared[0].prompt_token_ids)
+        return streams
+
+    def _check_capacity(self, new_seqs: int) -> None:
+        """503 when new sequences would have to wait while max_waiting_requests already wait.
+        Sequences that can start at once (free max_num_seqs slots) do not count as waiting."""
+        if self.max_waiting_requests is None:
+            return
+        sched = self.engine.scheduler
+        waiting = self.num_waiting
+        free = max(0, sched.max_num_seqs - len(sched.running) - waiting)
+        if new_seqs > free and waiting + new_seqs - free > self.max_waiting_requests:
+            raise EngineOverloaded(f"{waiting} requests are waiting (limit {self.max_waiting_requests})")
 
     async def generate(self, prompt, params: SamplingParams, request_id: str, priority: int = 0,
                        stream: bool = True) -> AsyncIterator[RequestOutput]:  # fmt: skip

@@ -165,6 +165,8 @@ class LLMEngine:
             if params.seed is not None:
                 req.generator = torch.Generator(device=self.device)
                 req.generator.manual_seed(params.seed + i)
+            if i > 0:
+                req.prompt_logprobs = None  # the prompt is the same for every child: compute once
             children.append(req)
         return group, children
 
@@ -225,6 +227,8 @@ class LLMEngine:
         if sched.is_empty:
             return []
         result = self.runner.execute(sched)
+        for rid, entries in result.prompt_logprobs.items():
+            self.outputs.on_prompt_logprobs(self.scheduler.requests[rid], entries)
         got = self.scheduler.update(sched, result.tokens)
         now = time.time()
         touched: dict[str, RequestGroup] = {}

@@ -123,8 +123,8 @@ class KVCacheManager:
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Blocks holding the longest cached prefix of `req`, never covering its last token
         (that token must run through the model to produce logits)."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or req.prompt_logprobs is not None:
+            return []  # prompt logprobs need logits at every prompt position: compute them all
         num_full = (req.num_tokens - 1) // self.block_size
         self._ensure_hashes(req, num_full)
         hits = []

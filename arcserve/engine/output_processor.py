@@ -68,14 +68,22 @@ class OutputProcessor:
                 self.seq_of.pop(s.req.request_id, None)
         return group
 
+    def _decode_entries(self, entries: dict) -> None:
+        for tid, e in entries.items():
+            e.decoded_token = self.tokenizer.decode([tid]) if tid < self.vocab_len else ""
+
+    def on_prompt_logprobs(self, req: Request, entries: list[dict]) -> None:
+        for e in entries:
+            self._decode_entries(e)
+        req.prompt_logprobs.extend(entries)
+
     def on_token(self, req: Request, token: int, logprob) -> str | None:
         """Record one new token; returns the stop string if one now ends the sequence."""
         group, seq = self.seq_of[req.request_id]
         if logprob is not None:
             lp, entries = logprob
             req.cumulative_logprob += lp
-            for tid, e in entries.items():
-                e.decoded_token = self.tokenizer.decode([tid]) if tid < self.vocab_len else ""
+            self._decode_entries(entries)
             req.logprobs.append(entries)
         if seq.detok is None:
             return None
@@ -142,6 +150,7 @@ class OutputProcessor:
             finished=finished,
             metrics=metrics,
             num_cached_tokens=group.seqs[0].req.num_cached_tokens,
+            prompt_logprobs=group.seqs[0].req.prompt_logprobs,
         )
 
 

@@ -48,6 +48,8 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        # Prompt logprobs: one entry per prompt token, None for the first (it has no context).
+        self.prompt_logprobs: SampleLogprobs | None = [None] if params.prompt_logprobs is not None else None
         self.num_preemptions = 0
         self.generator = None  # torch.Generator of a seeded request, set by the engine
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())

@@ -26,6 +26,7 @@ from arcserve.platform import memory_info
 class StepResult:
     tokens: dict[str, int]  # request id -> sampled token
     logprobs: dict[str, tuple[float, dict[int, Logprob]]]  # request id -> (token logprob, entries)
+    prompt_logprobs: dict[str, list[dict[int, Logprob]]]  # request id -> entries for new prompt tokens
 
 
 def kv_cache_bytes_per_block(model: DecoderModel, block_size: int) -> int:
@@ -96,15 +97,16 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         ids, positions, meta = self._prepare(out)
         hidden = self.model.forward(ids, positions, meta, self.kv_caches)
+        prompt_lps = self._prompt_logprobs(out, hidden, meta.host["query_start_loc"])
         sampling = [i for i, s in enumerate(out.seqs) if s.sample]
         if not sampling:
-            return StepResult({}, {})
+            return StepResult({}, {}, prompt_lps)
         last = meta.host["query_start_loc"][1:][sampling] - 1
         logits = self.model.logits(hidden[torch.from_numpy(last).to(self.device)])
         reqs = [out.seqs[i].request for i in sampling]
         so = self.sampler(logits, reqs)
         tokens = so.tokens.tolist()  # the step's one host-device sync
-        result = StepResult({r.request_id: t for r, t in zip(reqs, tokens)}, {})
+        result = StepResult({r.request_id: t for r, t in zip(reqs, tokens)}, {}, prompt_lps)
         if so.logprob_rows:
             tok_lp = so.token_logprob.tolist()
             ranks = so.token_rank.tolist()
@@ -119,4 +121,36 @@ class ModelRunner:
                     if tid not in entries:
                         entries[tid] = Logprob(top_lp[j][r], r + 1)
                 result.logprobs[req.request_id] = (tok_lp[j], entries)
+        return result
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, qsl: np.ndarray) -> dict:
+        """For requests that asked for prompt logprobs: the logprob (and top-k) of every prompt token
+        this chunk gives context for, i.e. token p + 1 from the logits at position p. Positions whose
+        entries were already collected (before a preemption) are skipped."""
+        result = {}
+        for i, s in enumerate(out.seqs):
+            req = s.request
+            if req.prompt_logprobs is None:
+                continue
+            lo = max(s.start_pos, len(req.prompt_logprobs) - 1)
+            hi = min(s.start_pos + s.num_new_tokens, req.num_prompt_tokens - 1)
+            if lo >= hi:
+                continue
+            k = req.params.prompt_logprobs
+            entries = []
+            for a in range(lo, hi, 256):  # bounded [rows, vocab] logits at a time
+                b = min(hi, a + 256)
+                rows = torch.arange(a, b, device=self.device) - s.start_pos + int(qsl[i])
+                lp = self.model.logits(hidden[rows]).log_softmax(dim=-1)
+                target = torch.tensor(req.token_ids[a + 1 : b + 1], device=self.device)
+                chosen = lp.gather(1, target[:, None])
+                ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+                top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (None, None)
+                for j, tok in enumerate(target.tolist()):
+                    e = {tok: Logprob(chosen[j, 0].item(), ranks[j])}
+                    for r in range(k):
+                        tid = int(top_i[j, r])
+                        e.setdefault(tid, Logprob(float(top_v[j, r]), r + 1))
+                    entries.append(e)
+            result[req.request_id] = entries
         return result

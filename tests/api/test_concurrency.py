@@ -1,0 +1,184 @@
+"""Many clients at once, and clients that go away: 32 concurrent clients each receive exactly their
+single-request greedy answer; a client that disconnects leaves no running request and no held KV
+block (checked through /metrics) and its sequences are counted as aborted."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from .helpers import MODEL, sse_lines
+
+WORDS = ["fox", "dog", "Paris", "Berlin", "add", "café", "numbers", "emoji"]
+
+
+def request_for(i: int) -> tuple[str, bool, dict]:
+    """Client i's request: endpoint kind, streamed or not, and its parameters (all greedy)."""
+    kind = "chat" if i % 2 else "completion"
+    stream = i % 4 >= 2
+    max_tokens = 8 + (i * 7) % 33
+    text = f"{WORDS[i % len(WORDS)]} number {i}:"
+    extra = {"ignore_eos": i % 3 != 0}  # some may stop early at EOS
+    if kind == "chat":
+        kw = dict(messages=[{"role": "user", "content": text}], max_tokens=max_tokens)
+    else:
+        kw = dict(prompt=text, max_tokens=max_tokens)
+    return kind, stream, dict(model=MODEL, temperature=0, extra_body=extra, **kw)
+
+
+def ask(client, i: int) -> tuple[str, str, tuple]:
+    kind, stream, kw = request_for(i)
+    api = client.chat.completions if kind == "chat" else client.completions
+    if not stream:
+        r = api.create(**kw)
+        c = r.choices[0]
+        text = c.message.content if kind == "chat" else c.text
+        return text, c.finish_reason, (r.usage.prompt_tokens, r.usage.completion_tokens)
+    text, finish, usage = "", None, None
+    for chunk in api.create(stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.usage is not None:
+            usage = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
+        for c in chunk.choices:
+            text += (c.delta.content or "") if kind == "chat" else c.text
+            finish = c.finish_reason or finish
+    return text, finish, usage
+
+
+def test_32_concurrent_clients_get_their_solo_answers(server):
+    n = 32
+    solo_client = server.client()
+    solo = [ask(solo_client, i) for i in range(n)]
+    assert len({s[0] for s in solo}) > n // 2  # the prompts really differ
+    server.wait_idle()
+
+    clients = [server.client(timeout=60) for _ in range(n)]
+    barrier = threading.Barrier(n)
+    peak = {"running": 0}
+    stop = threading.Event()
+
+    def watch():
+        deadline = time.monotonic() + 60
+        while not stop.is_set() and time.monotonic() < deadline:
+            peak["running"] = max(peak["running"], server.metric("arcserve:num_requests_running"))
+            time.sleep(0.01)
+
+    def one(i: int):
+        barrier.wait(timeout=20)
+        return ask(clients[i], i)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(n) as ex:
+            together = list(ex.map(one, range(n), timeout=120))
+    finally:
+        stop.set()
+        watcher.join(timeout=10)
+    for i in range(n):
+        assert together[i] == solo[i], (i, request_for(i))
+    assert peak["running"] > 1  # they really were batched together
+    server.wait_idle()
+
+
+# ---- disconnects ------------------------------------------------------------------------------
+def counters(server) -> dict:
+    m = server.metrics()
+    key = (("model_name", MODEL),)
+    out = {r: m[("arcserve:request_success_total", (("finished_reason", r), ("model_name", MODEL)))]
+           for r in ("stop", "length", "abort")}  # fmt: skip
+    out["generated"] = m[("arcserve:generation_tokens_total", key)]
+    return out
+
+
+def assert_aborted(server, before: dict, seqs: int, max_tokens: int) -> None:
+    """Within 10 s: nothing runs, waits or holds KV; `seqs` sequences counted as aborted, none finished,
+    and far fewer tokens generated than asked for."""
+    server.wait_idle(timeout=10)
+    after = counters(server)
+    assert after["abort"] - before["abort"] == seqs
+    assert after["length"] == before["length"] and after["stop"] == before["stop"]
+    assert after["generated"] - before["generated"] < seqs * max_tokens
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_disconnect_mid_stream_raw(server, path, n):
+    server.wait_idle()
+    before = counters(server)
+    body = {"model": MODEL, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True, "n": n}
+    body.update({"prompt": "x"} if "chat" not in path else {"messages": [{"role": "user", "content": "x"}]})
+    with httpx.Client(timeout=30) as hc, hc.stream("POST", server.base + path, json=body) as r:
+        assert r.status_code == 200
+        lines = (line for line in r.iter_lines() if line)
+        for _ in range(3):
+            line = next(lines)
+            assert line.startswith("data: {") and "error" not in json.loads(line[6:])
+        assert server.metric("arcserve:num_requests_running") == n  # still generating when we leave
+    assert_aborted(server, before, n, 200)
+
+
+def test_disconnect_mid_stream_openai_client(server):
+    server.wait_idle()
+    before = counters(server)
+    stream = server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a long story"}], max_tokens=200,
+        temperature=0, stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = [next(stream) for _ in range(3)]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert server.metric("arcserve:num_requests_running") == 1
+    stream.close()
+    assert_aborted(server, before, 1, 200)
+    # the server is fine afterwards: the same request, read to the end, completes
+    r = server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me"}],
+                                                max_tokens=5, extra_body={"ignore_eos": True})  # fmt: skip
+    assert r.usage.completion_tokens == 5
+
+
+def test_disconnect_while_waiting_for_a_non_streamed_answer(server):
+    """A client that gives up on a non-streamed request (timeout) must free its sequences too: the
+    server polls for the disconnect while it waits for the final output."""
+    server.wait_idle()
+    before = counters(server)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 250, "n": 32, "temperature": 0, "ignore_eos": True}
+    t0 = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):
+        server.post("/v1/completions", json=body, timeout=0.3)
+    assert time.monotonic() - t0 < 1.0
+    assert_aborted(server, before, 32, 250)
+
+
+def test_one_disconnect_leaves_the_other_streams_intact(server):
+    prompts = ["The quick brown fox", "def add(a, b):", "Paris is", "Numbers 0 1 2"]
+    body = {"model": MODEL, "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    solo = [
+        server.post("/v1/completions", json={**body, "prompt": p}).json()["choices"][0]["text"]
+        for p in prompts
+    ]
+    server.wait_idle()
+    before = counters(server)
+    with contextlib.ExitStack() as stack:
+        streams = []
+        for p in prompts:
+            hc = stack.enter_context(httpx.Client(timeout=30))
+            req = {**body, "prompt": p, "stream": True}
+            r = stack.enter_context(hc.stream("POST", f"{server.v1}/completions", json=req))
+            assert r.status_code == 200
+            lines = (line for line in r.iter_lines() if line)
+            streams.append((hc, r, lines, [json.loads(next(lines)[6:])]))
+        assert server.metric("arcserve:num_requests_running") == 4
+        streams[1][1].close()  # client 1 goes away
+        streams[1][0].close()
+        for i in (0, 2, 3):
+            events = streams[i][3] + sse_lines(streams[i][2])
+            assert "".join(e["choices"][0]["text"] for e in events) == solo[i]
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+    server.wait_idle()
+    after = counters(server)
+    assert after["abort"] - before["abort"] == 1 and after["length"] - before["length"] == 3

@@ -1,0 +1,491 @@
+"""The OpenAI-compatible endpoints on a real uvicorn server, through the official `openai` client and
+raw HTTP: models list, completions and chat (texts = transformers' greedy continuation), streaming =
+non-streaming, n > 1, stop strings and stop tokens, logprobs (values = transformers'), exact usage,
+tokenize/detokenize, health/ping/version and the Prometheus counters."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from .helpers import MODEL, sse_data
+
+PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of"]
+UNICODE = "Unicode: café, naïve, 東京, Привет 🙂"
+GREEDY = {"temperature": 0}
+NO_EOS = {"ignore_eos": True}
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+# greedy answers that end with EOS (id 2) after some tokens (checked against transformers below)
+EOS_PROMPT = PROMPTS[1]
+EOS_MESSAGES = [{"role": "user", "content": "Tell me about dog and lazy"}]
+
+
+def usage_of(u) -> tuple[int, int, int]:
+    return (u.prompt_tokens, u.completion_tokens, u.total_tokens)
+
+
+def collect_completion_stream(stream) -> tuple[dict, dict, object]:
+    """Streamed completion chunks -> ({index: text}, {index: finish_reason}, usage)."""
+    texts, finish, usage = {}, {}, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            assert chunk.choices == [] and usage is None
+            usage = chunk.usage
+        for c in chunk.choices:
+            assert c.index not in finish, "text after the finish chunk"
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+    return texts, finish, usage
+
+
+def collect_chat_stream(stream) -> tuple[dict, dict, object]:
+    texts, finish, usage, roles = {}, {}, None, {}
+    for chunk in stream:
+        assert chunk.object == "chat.completion.chunk" and chunk.model == MODEL
+        if chunk.usage is not None:
+            assert chunk.choices == [] and usage is None
+            usage = chunk.usage
+        for c in chunk.choices:
+            assert c.index not in finish, "content after the finish chunk"
+            if c.delta.role is not None:
+                roles[c.index] = c.delta.role
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+    assert set(roles.values()) == {"assistant"} and set(roles) == set(texts)
+    return texts, finish, usage
+
+
+# ---- models, basic completions and chat -------------------------------------------------------
+def test_models_list(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].object == "model" and models.data[0].owned_by == "arcserve"
+    raw = httpx.get(f"{server.v1}/models", timeout=10).json()
+    assert raw["object"] == "list" and raw["data"][0]["max_model_len"] == 256
+
+
+def test_completions_equal_transformers_greedy(client, hf):
+    for prompt in [*PROMPTS, UNICODE]:
+        ids = hf.tok.encode(prompt)
+        expected = hf.greedy(ids, 20)
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, extra_body=NO_EOS, **GREEDY)
+        assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
+        (choice,) = r.choices
+        assert choice.index == 0 and choice.finish_reason == "length"
+        assert choice.text == hf.tok.decode(expected, skip_special_tokens=True)
+        assert usage_of(r.usage) == (len(ids), 20, len(ids) + 20)
+
+
+def test_completion_prompt_forms(client, hf):
+    """A token-id prompt and a list of prompts (text and ids) answer like the single text prompts."""
+    single = [client.completions.create(model=MODEL, prompt=p, max_tokens=8, **GREEDY, extra_body=NO_EOS)
+              for p in PROMPTS]  # fmt: skip
+    ids = [hf.tok.encode(p) for p in PROMPTS]
+    by_ids = client.completions.create(model=MODEL, prompt=ids[0], max_tokens=8, **GREEDY, extra_body=NO_EOS)
+    assert by_ids.choices[0].text == single[0].choices[0].text
+    assert usage_of(by_ids.usage) == usage_of(single[0].usage)
+    for batch in (PROMPTS, ids):
+        many = client.completions.create(model=MODEL, prompt=batch, max_tokens=8, **GREEDY, extra_body=NO_EOS)
+        assert [c.index for c in many.choices] == [0, 1, 2]
+        assert [c.text for c in many.choices] == [s.choices[0].text for s in single]
+        plen = sum(len(i) for i in ids)
+        assert usage_of(many.usage) == (plen, 24, plen + 24)
+
+
+def test_chat_equals_transformers_greedy(client, hf):
+    ids = hf.chat_ids(MESSAGES)
+    expected = hf.greedy(ids, 20)
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=20, **GREEDY, extra_body=NO_EOS
+    )
+    assert r.object == "chat.completion" and r.model == MODEL and r.id.startswith("chatcmpl-")
+    (choice,) = r.choices
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert choice.message.content == hf.tok.decode(expected, skip_special_tokens=True)
+    assert usage_of(r.usage) == (len(ids), 20, len(ids) + 20)
+    # content given as text parts renders the same prompt; max_completion_tokens is max_tokens' new name
+    parts = [MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "Hello "},
+                                                       {"type": "text", "text": "there"}]}]  # fmt: skip
+    r2 = client.chat.completions.create(model=MODEL, messages=parts, max_completion_tokens=20, **GREEDY,
+                                        extra_body=NO_EOS)  # fmt: skip
+    assert r2.choices[0].message.content == choice.message.content
+    assert usage_of(r2.usage) == usage_of(r.usage)
+
+
+def test_default_max_tokens_and_eos(client, hf):
+    """Completions default to 16 tokens; without max_tokens chat runs until EOS (finish 'stop', the EOS
+    token counted in usage but not shown)."""
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], extra_body=NO_EOS, **GREEDY)
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+    for kind, ids in [("chat", hf.chat_ids(EOS_MESSAGES)), ("completion", hf.tok.encode(EOS_PROMPT))]:
+        cont = hf.greedy(ids, 256 - len(ids))
+        assert 2 in cont  # precondition: this prompt's greedy answer reaches EOS
+        n = cont.index(2) + 1
+        if kind == "chat":
+            r = client.chat.completions.create(model=MODEL, messages=EOS_MESSAGES, **GREEDY)
+            text = r.choices[0].message.content
+        else:
+            r = client.completions.create(model=MODEL, prompt=EOS_PROMPT, max_tokens=None, **GREEDY)
+            text = r.choices[0].text
+        assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] is None
+        assert usage_of(r.usage) == (len(ids), n, len(ids) + n)
+        assert text == hf.tok.decode(cont[: n - 1], skip_special_tokens=True)
+        # ignore_eos runs past it
+        long = client.completions.create(
+            model=MODEL, prompt=ids, max_tokens=n + 5, **GREEDY, extra_body=NO_EOS
+        )
+        assert long.choices[0].finish_reason == "length" and long.usage.completion_tokens == n + 5
+
+
+# ---- streaming == non-streaming -----------------------------------------------------------------
+COMPLETION_CASES = {
+    "greedy": dict(prompt=PROMPTS[0], max_tokens=40, **GREEDY, extra_body=NO_EOS),
+    "n3_seeded": dict(prompt=PROMPTS[1], max_tokens=24, n=3, temperature=0.9, seed=11, extra_body=NO_EOS),
+    "batch": dict(prompt=PROMPTS, max_tokens=12, **GREEDY, extra_body=NO_EOS),
+    "batch_n2": dict(prompt=PROMPTS[:2], max_tokens=12, n=2, temperature=1.0, seed=5, extra_body=NO_EOS),
+    "echo": dict(prompt=PROMPTS[2], max_tokens=12, echo=True, **GREEDY, extra_body=NO_EOS),
+    "stop": dict(prompt=PROMPTS[0], max_tokens=40, stop=[" ", "e"], **GREEDY, extra_body=NO_EOS),
+    "until_eos": dict(prompt=EOS_PROMPT, max_tokens=200, **GREEDY),
+    "unicode": dict(prompt=UNICODE, max_tokens=40, **GREEDY, extra_body=NO_EOS),
+}
+FINISH = {"stop": "stop", "until_eos": "stop"}  # the others end by length
+
+
+@pytest.mark.parametrize("case", list(COMPLETION_CASES))
+def test_completion_stream_equals_non_stream(client, case):
+    kw = COMPLETION_CASES[case]
+    full = client.completions.create(model=MODEL, **kw)
+    stream = client.completions.create(model=MODEL, stream=True, stream_options={"include_usage": True}, **kw)
+    texts, finish, usage = collect_completion_stream(stream)
+    assert texts == {c.index: c.text for c in full.choices}
+    assert finish == {c.index: c.finish_reason for c in full.choices}
+    assert set(finish.values()) == {FINISH.get(case, "length")}
+    assert usage_of(usage) == usage_of(full.usage)
+    assert len(full.choices) == kw.get("n", 1) * (len(kw["prompt"]) if isinstance(kw["prompt"], list) else 1)
+
+
+CHAT_CASES = {
+    "greedy": dict(messages=MESSAGES, max_tokens=40, **GREEDY, extra_body=NO_EOS),
+    "n2_seeded": dict(messages=MESSAGES, max_tokens=24, n=2, temperature=0.8, seed=3, extra_body=NO_EOS),
+    "stop": dict(messages=MESSAGES, max_tokens=40, stop="a", **GREEDY, extra_body=NO_EOS),
+    "until_eos": dict(messages=EOS_MESSAGES, **GREEDY),
+    "unicode": dict(
+        messages=[{"role": "user", "content": "東京 🙂 café"}], max_tokens=40, **GREEDY, extra_body=NO_EOS
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CHAT_CASES))
+def test_chat_stream_equals_non_stream(client, case):
+    kw = CHAT_CASES[case]
+    full = client.chat.completions.create(model=MODEL, **kw)
+    stream = client.chat.completions.create(
+        model=MODEL, stream=True, stream_options={"include_usage": True}, **kw
+    )
+    texts, finish, usage = collect_chat_stream(stream)
+    assert texts == {c.index: c.message.content for c in full.choices}
+    assert finish == {c.index: c.finish_reason for c in full.choices}
+    assert set(finish.values()) == {FINISH.get(case, "length")}
+    assert usage_of(usage) == usage_of(full.usage)
+    assert len(full.choices) == kw.get("n", 1)
+
+
+def test_raw_sse_stream(server):
+    """Raw HTTP: text/event-stream, data: lines ending in [DONE], no usage chunk unless asked for."""
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{server.v1}/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_data(r)
+    assert events and all(e["object"] == "text_completion" and "usage" not in e for e in events)
+    assert len({e["id"] for e in events}) == 1
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
+    full = server.post("/v1/completions", json={**body, "stream": False}).json()
+    assert "".join(e["choices"][0]["text"] for e in events) == full["choices"][0]["text"]
+
+
+def test_stream_stop_string_spanning_tokens(client):
+    """A longer stop string that several tokens build up is held back while streaming, never leaked."""
+    kw = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=40, **GREEDY)
+    base = client.completions.create(**kw, extra_body=NO_EOS).choices[0].text
+    at = next(i for i in range(len(base) // 3, len(base) - 5) if "\ufffd" not in base[i : i + 5])
+    stop = base[at : at + 5]
+    first = base.find(stop)
+    for include in (False, True):
+        extra = {**NO_EOS, "include_stop_str_in_output": include}
+        full = client.completions.create(**kw, stop=[stop], extra_body=extra).choices[0]
+        assert full.text == base[: first + (len(stop) if include else 0)] and full.finish_reason == "stop"
+        texts, finish, _ = collect_completion_stream(client.completions.create(**kw, stop=[stop], stream=True,
+                                                                               extra_body=extra))  # fmt: skip
+        assert texts == {0: full.text} and finish == {0: "stop"}
+
+
+# ---- n > 1 ----------------------------------------------------------------------------------------
+def test_n_choices(client):
+    one = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=16, **GREEDY, extra_body=NO_EOS
+    )
+    greedy3 = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, n=3, **GREEDY,
+                                        extra_body=NO_EOS)  # fmt: skip
+    assert [c.index for c in greedy3.choices] == [0, 1, 2]
+    assert [c.text for c in greedy3.choices] == [one.choices[0].text] * 3
+    assert usage_of(greedy3.usage) == (one.usage.prompt_tokens, 48, one.usage.prompt_tokens + 48)
+    kw = dict(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=16, n=4, temperature=1.0, seed=123, extra_body=NO_EOS
+    )
+    sampled = client.completions.create(**kw)
+    assert [c.index for c in sampled.choices] == [0, 1, 2, 3]
+    assert len({c.text for c in sampled.choices}) > 1  # each choice samples with its own seed
+    assert [c.text for c in client.completions.create(**kw).choices] == [c.text for c in sampled.choices]
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, n=3, temperature=1.0,
+                                          seed=9, extra_body=NO_EOS)  # fmt: skip
+    assert [c.index for c in chat.choices] == [0, 1, 2] and chat.usage.completion_tokens == 30
+
+
+# ---- stop strings and stop tokens -----------------------------------------------------------------
+def test_stop_strings(client, hf):
+    prompt = PROMPTS[0]
+    ids = hf.tok.encode(prompt)
+    cont = hf.greedy(ids, 40)
+    base = hf.tok.decode(cont, skip_special_tokens=True)
+    # a 2-character stop string that first occurs well inside the text
+    at = next(
+        i
+        for i in range(4, len(base) - 2)
+        if "\ufffd" not in base[i : i + 2] and base.find(base[i : i + 2]) == i
+    )
+    stop = base[at : at + 2]
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=40, **GREEDY, extra_body=NO_EOS)
+    r = client.completions.create(stop=stop, **kw)
+    c = r.choices[0]
+    assert c.text == base[:at] and c.finish_reason == "stop"
+    assert c.model_extra["stop_reason"] == stop
+    # the tokens generated up to (and including) the one that completed the stop string
+    n = next(k for k in range(1, 41) if stop in hf.tok.decode(cont[:k], skip_special_tokens=True))
+    assert r.usage.completion_tokens == n
+    inc = client.completions.create(stop=[stop], extra_body={**NO_EOS, "include_stop_str_in_output": True},
+                                    **{k: v for k, v in kw.items() if k != "extra_body"})  # fmt: skip
+    assert inc.choices[0].text == base[: at + 2]
+    # of several stop strings the earliest match wins; an absent one changes nothing
+    later = base[at + 4 : at + 6]
+    assert client.completions.create(stop=[later, stop], **kw).choices[0].text == base[:at]
+    absent = client.completions.create(stop=["\u2603\u2603"], **kw).choices[0]
+    assert absent.text == base and absent.finish_reason == "length"
+    # chat: same rule
+    chat_ids = hf.chat_ids(MESSAGES)
+    chat_base = hf.tok.decode(hf.greedy(chat_ids, 30), skip_special_tokens=True)
+    cat = next(
+        i
+        for i in range(3, len(chat_base) - 1)
+        if chat_base[i].isalnum() and chat_base.find(chat_base[i]) == i
+    )
+    rc = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=30, stop=[chat_base[cat]],
+                                        **GREEDY, extra_body=NO_EOS)  # fmt: skip
+    assert rc.choices[0].message.content == chat_base[:cat] and rc.choices[0].finish_reason == "stop"
+
+
+def test_stop_token_ids(client, hf):
+    ids = hf.tok.encode(PROMPTS[1])
+    cont = hf.greedy(ids, 30)
+    tok = cont[6]
+    n = cont.index(tok) + 1
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, **GREEDY,
+                                  extra_body={**NO_EOS, "stop_token_ids": [tok]})  # fmt: skip
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and c.model_extra["stop_reason"] == tok
+    assert r.usage.completion_tokens == n
+    assert c.text == hf.tok.decode(cont[:n], skip_special_tokens=True)
+
+
+# ---- logprobs ---------------------------------------------------------------------------------
+def test_completion_logprobs_equal_transformers(client, hf):
+    prompt, k, n = PROMPTS[2], 3, 12
+    ids = hf.tok.encode(prompt)
+    cont = hf.greedy(ids, n)
+    ref = hf.logprobs(ids, cont)
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=n, logprobs=k, **GREEDY, extra_body=NO_EOS
+    )
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert r.usage.completion_tokens == n
+    for i, tid in enumerate(cont):
+        assert lp.tokens[i] == hf.tok.decode([tid])
+        assert lp.token_logprobs[i] == pytest.approx(ref[i, tid].item(), abs=1e-4)
+        top_vals = ref[i].topk(k).values.tolist()
+        # greedy: the chosen token is the most likely one
+        assert lp.token_logprobs[i] == pytest.approx(top_vals[0], abs=1e-4)
+        got = sorted(lp.top_logprobs[i].values(), reverse=True)
+        assert 1 <= len(got) <= k  # tokens that decode alike share one key
+        for v in got:
+            assert any(v == pytest.approx(t, abs=1e-4) for t in top_vals)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # the same numbers when streamed
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, logprobs=k, stream=True, **GREEDY,
+                                       extra_body=NO_EOS)  # fmt: skip
+    toks, vals, tops = [], [], []
+    for chunk in stream:
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                toks += c.logprobs.tokens
+                vals += c.logprobs.token_logprobs
+                tops += c.logprobs.top_logprobs
+    assert toks == lp.tokens and tops == lp.top_logprobs
+    assert vals == pytest.approx(lp.token_logprobs, abs=1e-6)
+    # without logprobs there are none
+    assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=2).choices[0].logprobs is None
+
+
+def test_chat_logprobs_equal_transformers(client, hf):
+    k, n = 2, 10
+    ids = hf.chat_ids(MESSAGES)
+    cont = hf.greedy(ids, n)
+    ref = hf.logprobs(ids, cont)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=n, logprobs=True, top_logprobs=k,
+                                       **GREEDY, extra_body=NO_EOS)  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert len(content) == n == r.usage.completion_tokens
+    for i, (item, tid) in enumerate(zip(content, cont)):
+        assert item.token == hf.tok.decode([tid]) and item.bytes == list(item.token.encode())
+        assert item.logprob == pytest.approx(ref[i, tid].item(), abs=1e-4)
+        top = ref[i].topk(k)
+        assert len(item.top_logprobs) == k
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert [t.token for t in item.top_logprobs] == [hf.tok.decode([t]) for t in top.indices.tolist()]
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=n, logprobs=True,
+                                            top_logprobs=k, stream=True, **GREEDY, extra_body=NO_EOS)  # fmt: skip
+    streamed = [x for ch in stream for c in ch.choices if c.logprobs is not None for x in c.logprobs.content]
+    assert [(x.token, x.top_logprobs) for x in streamed] == [(x.token, x.top_logprobs) for x in content]
+    # logprobs=true alone: the chosen tokens' logprobs, no alternatives
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, logprobs=True, **GREEDY)
+    assert [x.top_logprobs for x in r.choices[0].logprobs.content] == [[]] * len(
+        r.choices[0].logprobs.content
+    )
+    assert (
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3).choices[0].logprobs
+        is None
+    )
+
+
+def test_streamed_text_offsets_equal_non_streamed(client):
+    """logprobs.text_offset of a streamed completion must be the same as the non-streamed one (the
+    offset of each token in the completion text)."""
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, logprobs=1, **GREEDY, extra_body=NO_EOS)
+    full = client.completions.create(**kw).choices[0]
+    lp = full.logprobs
+    # non-streamed: every token sits at its offset, and the offsets add up the token strings
+    assert all(full.text[o:].startswith(t) for o, t in zip(lp.text_offset, lp.tokens))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    streamed = [o for ch in client.completions.create(stream=True, **kw) for c in ch.choices if c.logprobs
+                for o in c.logprobs.text_offset]  # fmt: skip
+    assert streamed == lp.text_offset
+
+
+def test_sampling_extras(client, hf):
+    """logit_bias forces a token; top_k=1 at temperature 1 is greedy; a seed makes sampling repeatable."""
+    forced = client.completions.create(model=MODEL, prompt="x", max_tokens=5, logit_bias={"57": 100},
+                                       temperature=0.7, seed=1, extra_body=NO_EOS)  # fmt: skip
+    assert forced.choices[0].text == hf.tok.decode([57] * 5)
+    greedy = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=12, **GREEDY, extra_body=NO_EOS
+    )
+    top1 = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=1.0,
+                                     extra_body={**NO_EOS, "top_k": 1})  # fmt: skip
+    assert top1.choices[0].text == greedy.choices[0].text
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=1.0, extra_body=NO_EOS)
+    a, b = (client.completions.create(seed=42, **kw).choices[0].text for _ in range(2))
+    others = {client.completions.create(seed=s, **kw).choices[0].text for s in (1, 2, 3)}
+    assert a == b and len(others | {a}) > 1
+    # min_tokens keeps generating past EOS
+    ids = hf.tok.encode(EOS_PROMPT)
+    n_eos = hf.greedy(ids, 100).index(2) + 1
+    r = client.completions.create(model=MODEL, prompt=EOS_PROMPT, max_tokens=n_eos + 10, **GREEDY,
+                                  extra_body={"min_tokens": n_eos + 5})  # fmt: skip
+    assert r.usage.completion_tokens >= n_eos + 5
+
+
+# ---- usage -------------------------------------------------------------------------------------
+def test_usage_exact_for_stops_and_eos(client, hf):
+    """completion_tokens counts every generated token (also one that completes a stop string or EOS),
+    prompt_tokens counts the tokenized prompt (chat: the rendered template)."""
+    for prompt in PROMPTS:
+        ids = hf.tok.encode(prompt)
+        r = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=64, logprobs=0, stop=["e"], **GREEDY
+        )
+        n = len(r.choices[0].logprobs.tokens)
+        assert usage_of(r.usage) == (len(ids), n, len(ids) + n)
+        cont = hf.greedy(ids, n)
+        assert r.choices[0].text == hf.tok.decode(cont, skip_special_tokens=True).split("e")[0]
+
+
+def test_tokenize_detokenize(server, hf):
+    r = server.post("/tokenize", json={"model": MODEL, "prompt": PROMPTS[0]}).json()
+    assert (
+        r["tokens"] == hf.tok.encode(PROMPTS[0])
+        and r["count"] == len(r["tokens"])
+        and r["max_model_len"] == 256
+    )
+    chat = server.post("/tokenize", json={"messages": MESSAGES}).json()
+    assert chat["tokens"] == hf.chat_ids(MESSAGES)
+    back = server.post("/detokenize", json={"tokens": r["tokens"]}).json()
+    assert back["prompt"] == PROMPTS[0]
+
+
+# ---- health and metrics -------------------------------------------------------------------------
+def test_health_ping_version(server):
+    assert httpx.get(f"{server.base}/health", timeout=5).status_code == 200
+    assert httpx.get(f"{server.base}/ping", timeout=5).status_code == 200
+    assert httpx.post(f"{server.base}/ping", timeout=5).status_code == 200
+    import arcserve
+
+    assert httpx.get(f"{server.base}/version", timeout=5).json() == {"version": arcserve.__version__}
+
+
+def test_metrics_count_requests_and_tokens(server, client, hf):
+    server.wait_idle()
+    before = server.metrics()
+    key = (("model_name", MODEL),)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=7, **GREEDY, extra_body=NO_EOS)
+    after = server.wait_idle()
+    assert (
+        after[("arcserve:generation_tokens_total", key)] - before[("arcserve:generation_tokens_total", key)]
+        == 7
+    )
+    assert (after[("arcserve:prompt_tokens_total", key)] - before[("arcserve:prompt_tokens_total", key)]
+            == r.usage.prompt_tokens == len(hf.tok.encode(PROMPTS[1])))  # fmt: skip
+    ok = ("arcserve:request_success_total", (("finished_reason", "length"), ("model_name", MODEL)))
+    assert after[ok] - before[ok] == 1
+    e2e = ("arcserve:e2e_request_latency_seconds_count", key)
+    assert after[e2e] - before[e2e] == 1
+    text = httpx.get(f"{server.base}/metrics", timeout=5)
+    assert text.headers["content-type"].startswith("text/plain")
+
+
+def test_echo_with_logprobs_gives_prompt_logprobs(client, server, hf):
+    """echo + logprobs: the prompt tokens' logprobs (first one null) equal transformers', then the
+    completion's; streamed the same as non-streamed."""
+    import torch
+
+    prompt, k, n = PROMPTS[2], 2, 4
+    ids = hf.tok.encode(prompt)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, logprobs=k, echo=True, **GREEDY,
+                                  extra_body=NO_EOS)  # fmt: skip
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith(prompt)
+    assert len(lp.tokens) == len(ids) + n and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    with torch.no_grad():
+        ref = hf.model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    for p in range(1, len(ids)):
+        assert lp.tokens[p] == hf.tok.decode([ids[p]])
+        assert lp.token_logprobs[p] == pytest.approx(ref[p - 1, ids[p]].item(), abs=1e-4)
+        assert max(lp.top_logprobs[p].values()) == pytest.approx(ref[p - 1].max().item(), abs=1e-4)
+    assert lp.text_offset == sorted(lp.text_offset)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, logprobs=k, echo=True,
+                                            stream=True, **GREEDY, extra_body=NO_EOS))  # fmt: skip
+    streamed = [x for c in chunks for ch in c.choices if ch.logprobs for x in ch.logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+    assert "".join(ch.text for c in chunks for ch in c.choices) == r.choices[0].text
