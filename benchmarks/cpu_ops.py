@@ -32,9 +32,9 @@ def main() -> None:
     print(f"{'rows':>6} {'F.linear':>10} {'packed':>10}")
     for m in (1, 8, 64, 512):
         xs = {576: torch.randn(m, 576).to(bf), 1536: torch.randn(m, 1536).to(bf)}
-        plain = timed(lambda: [F.linear(xs[w.shape[1]], w) for ws in layers for w in ws], 5)
+        plain = timed(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for ws in layers for w in ws], 5)
         pk = timed(
-            lambda: [
+            lambda xs=xs: [
                 torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
                 for ws, ps in zip(layers, packed) for w, p in zip(ws, ps)
             ],
