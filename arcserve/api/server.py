@@ -20,7 +20,7 @@ from arcserve.api.metrics import make_registry
 from arcserve.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from arcserve.api.serving import Serving
 from arcserve.engine.async_engine import AsyncLLM, EngineDeadError, EngineOverloaded
-from arcserve.platform import reserve_cpu_for_server
+from arcserve.platform import reserve_cpu_for_server, resolve_device
 
 logger = logging.getLogger("arcserve")
 OPEN_PATHS = {"/health", "/metrics", "/ping", "/version", "/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc"}
@@ -180,8 +180,9 @@ def run_server(args, engine_args) -> None:
 
     template = read_chat_template(args.chat_template)
     api_key = args.api_key or os.environ.get("ARCSERVE_API_KEY")
+    device = resolve_device(engine_args.device)
+    threads = reserve_cpu_for_server(device)  # before any parallel region starts
     engine = LLMEngine(engine_args)
-    threads = reserve_cpu_for_server(engine.device)
     if engine.device.type == "cpu":
         logger.info("CPU compute threads: %d (one core left to the HTTP server; set OMP_NUM_THREADS to change)", threads)
     name = args.served_model_name or os.path.basename(os.path.normpath(engine_args.model))
