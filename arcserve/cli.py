@@ -8,6 +8,7 @@ import logging
 import sys
 
 from arcserve.config import EngineArgs
+from arcserve.platform import DEVICE_CHOICES
 
 
 def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
@@ -28,7 +29,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     _bool_flag(p, "enable-prefix-caching", True, "reuse KV blocks of shared prompt prefixes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "xpu", "cpu"])
+    p.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
     p.add_argument("--kernels", default="auto", choices=["auto", "torch"])
     p.add_argument("--generation-config", default="auto", help="auto | a folder | vllm (ignore the model's)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
