@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -24,8 +24,6 @@ class EngineArgs:
     device: str = "auto"  # auto | cuda | xpu | cpu
     kernels: str = "auto"  # auto | torch
     generation_config: str = "auto"  # auto (model folder) | a folder | "vllm" (ignore the model's)
-    served_model_name: str | None = None
-    extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -41,4 +39,4 @@ class EngineArgs:
 
     @classmethod
     def field_names(cls) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        return {f.name for f in dataclasses.fields(cls)}
