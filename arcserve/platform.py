@@ -60,14 +60,12 @@ def memory_info(device: torch.device) -> tuple[int, int]:
     return host_memory()
 
 
-def reserve_cpu_for_server(device: torch.device) -> int:
-    """When serving on the CPU, leave one core to the HTTP side: compute threads that share their
-    cores with the event loop get descheduled in the middle of their barriers (measured on 2 cores:
-    TTFT p50 510 -> 279 ms, TPOT p50 150 -> 102 ms; docs/BENCHMARKS.md). An explicit OMP_NUM_THREADS
-    wins. Returns the number of compute threads."""
-    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
-    return torch.get_num_threads()
+def cpu_threads_for_engine() -> int:
+    """Compute threads for a CPU engine that shares the machine with a server process: all cores
+    but one (the HTTP side gets its own), unless OMP_NUM_THREADS says otherwise."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return max(1, (os.cpu_count() or 1) - 1)
 
 
 def synchronize(device: torch.device) -> None:

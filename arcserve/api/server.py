@@ -6,7 +6,6 @@ import hmac
 import json
 import logging
 import os
-import sys
 import time
 
 from fastapi import FastAPI, Request
@@ -21,7 +20,7 @@ from arcserve.api.metrics import make_registry
 from arcserve.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from arcserve.api.serving import Serving
 from arcserve.engine.async_engine import AsyncLLM, EngineDeadError, EngineOverloaded
-from arcserve.platform import reserve_cpu_for_server, resolve_device
+from arcserve.platform import cpu_threads_for_engine, resolve_device
 
 logger = logging.getLogger("arcserve")
 OPEN_PATHS = {"/health", "/metrics", "/ping", "/version", "/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc"}
@@ -175,23 +174,23 @@ def read_chat_template(path: str | None) -> str | None:
 
 
 def run_server(args, engine_args) -> None:
+    import torch
     import uvicorn
 
-    from arcserve.engine.engine import LLMEngine
+    from arcserve.engine.core_process import AsyncLLMProcess
 
     template = read_chat_template(args.chat_template)
     api_key = args.api_key or os.environ.get("ARCSERVE_API_KEY")
     device = resolve_device(engine_args.device)
-    threads = reserve_cpu_for_server(device)  # before any parallel region starts
-    # The engine thread and the event loop share the GIL; a 0.5 ms switch interval (default 5 ms)
-    # lets the loop answer between engine ops (measured: TTFT p50 343 -> 264 ms, TPOT p50
-    # 122 -> 98 ms on the CPU serving benchmark, docs/BENCHMARKS.md).
-    sys.setswitchinterval(0.0005)
-    engine = LLMEngine(engine_args)
-    if engine.device.type == "cpu":
-        logger.info("CPU compute threads: %d (one core left to the HTTP server; set OMP_NUM_THREADS to change)", threads)
+    # The engine runs in its own process (no GIL or core shared with the event loop). On the CPU it
+    # leaves one core to this process, which only parses, tokenizes and streams.
+    threads = cpu_threads_for_engine() if device.type == "cpu" else None
+    if threads is not None:
+        torch.set_num_threads(1)
+        logger.info("CPU compute threads for the engine: %d (one core left to the HTTP server; "
+                    "set OMP_NUM_THREADS to change)", threads)  # fmt: skip
+    front = AsyncLLMProcess(engine_args, args.max_waiting_requests, threads)
     name = args.served_model_name or os.path.basename(os.path.normpath(engine_args.model))
-    front = AsyncLLM(engine, args.max_waiting_requests)
     app = build_app(front, name, api_key, template)
     routes = sorted(f"{','.join(sorted(r.methods or []))} {r.path}" for r in app.routes if hasattr(r, "methods"))
     logger.info("Routes: %s", "; ".join(routes))

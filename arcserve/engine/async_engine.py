@@ -32,7 +32,7 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None, start: bool = True) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -43,12 +43,16 @@ class AsyncLLM:
         self._stop = False
         self.dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="arcserve-engine", daemon=True)
-        self._thread.start()
+        if start:
+            self._thread.start()
 
     # ---- caller side (event loop) -------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
         return self._pending + self.engine.scheduler.num_waiting
+
+    def _num_running(self) -> int:
+        return len(self.engine.scheduler.running)
 
     def add_request(
         self, prompt, params: SamplingParams, request_id: str, priority: int = 0, stream: bool = True
@@ -80,8 +84,7 @@ class AsyncLLM:
                 streams.append(RequestStream(self, group.request_id, q, group.prompt_token_ids))
             self._pending += len(prepared)
         for p in prepared:
-            self._commands.put(("add", p))
-        self._wake.set()
+            self._submit("add", p)
         return streams
 
     def _check_capacity(self, new_seqs: int) -> None:
@@ -89,9 +92,8 @@ class AsyncLLM:
         Sequences that can start at once (free max_num_seqs slots) do not count as waiting."""
         if self.max_waiting_requests is None:
             return
-        sched = self.engine.scheduler
         waiting = self.num_waiting
-        free = max(0, sched.max_num_seqs - len(sched.running) - waiting)
+        free = max(0, self.engine.args.max_num_seqs - self._num_running() - waiting)
         if new_seqs > free and waiting + new_seqs - free > self.max_waiting_requests:
             raise EngineOverloaded(f"{waiting} requests are waiting (limit {self.max_waiting_requests})")
 
@@ -111,7 +113,10 @@ class AsyncLLM:
             self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._submit("abort", request_id)
+
+    def _submit(self, kind: str, arg) -> None:
+        self._commands.put((kind, arg))
         self._wake.set()
 
     def shutdown(self) -> None:

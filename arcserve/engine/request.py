@@ -51,7 +51,8 @@ class Request:
         # Prompt logprobs: one entry per prompt token, None for the first (it has no context).
         self.prompt_logprobs: SampleLogprobs | None = [None] if params.prompt_logprobs is not None else None
         self.num_preemptions = 0
-        self.generator = None  # torch.Generator of a seeded request, set by the engine
+        self.seed: int | None = None  # this sequence's seed (the request's seed + its index)
+        self.generator = None  # torch.Generator made from `seed` by the engine
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
 
     @property

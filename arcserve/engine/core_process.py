@@ -1,0 +1,157 @@
+"""The engine in its own process: AsyncLLMProcess has AsyncLLM's interface, but LLMEngine runs in a
+child process, so model steps and the HTTP event loop share neither the GIL nor a core.
+
+The parent keeps a model-less InputProcessor (tokenizer, configs, validation): requests are tokenized
+and validated there, then sent as prepared Requests over a pipe. The child steps the engine and sends
+back each step's RequestOutputs with a snapshot of the engine's figures (served by /metrics).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import threading
+
+from arcserve.config import EngineArgs
+from arcserve.engine.async_engine import AsyncLLM, EngineDeadError
+from arcserve.engine.inputs import InputProcessor
+
+logger = logging.getLogger("arcserve")
+
+
+class EngineView(InputProcessor):
+    """What the server reads of an engine that runs elsewhere: inputs and the latest figures."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        super().__init__(args)
+        self.snapshot: dict = {}
+
+    def get_metrics(self) -> dict:
+        return self.snapshot
+
+
+def _core_main(args: EngineArgs, cmd_conn, out_conn, threads: int | None, log_level: int) -> None:
+    import torch
+
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if threads:
+        torch.set_num_threads(threads)
+    from arcserve.engine.engine import LLMEngine
+
+    try:
+        engine = LLMEngine(args)
+    except BaseException as e:  # report startup errors (bad folder, KV cache too small) to the parent
+        out_conn.send(("fatal", f"{type(e).__name__}: {e}"))
+        return
+    out_conn.send(("ready", engine.get_metrics()))
+    try:
+        _serve_commands(engine, cmd_conn, out_conn)
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # the parent is gone: stop quietly
+        return
+
+
+def _serve_commands(engine, cmd_conn, out_conn) -> None:
+    while True:
+        added, timeout = 0, (0 if engine.has_unfinished_requests() else 0.5)
+        while cmd_conn.poll(timeout):
+            timeout = 0
+            kind, arg = cmd_conn.recv()
+            if kind == "stop":
+                return
+            if kind == "add":
+                added += 1
+                try:
+                    engine.add_prepared(arg)
+                except ValueError as e:
+                    out_conn.send(("error", arg[0].request_id, str(e)))
+            else:
+                engine.abort_request(arg)
+        if not engine.has_unfinished_requests():
+            if added or timeout == 0:  # commands changed the figures (aborts free blocks)
+                out_conn.send(("outputs", [], engine.get_metrics(), added))
+            continue
+        try:
+            outs = engine.step()
+        except Exception as e:  # fail the requests in flight, keep serving the next ones
+            logger.exception("engine step failed; failing the requests in flight")
+            ids = list(engine.outputs.groups)
+            engine.abort_request(ids)
+            out_conn.send(("failed", ids, repr(e)))
+            continue
+        out_conn.send(("outputs", outs, engine.get_metrics(), added))
+
+
+class AsyncLLMProcess(AsyncLLM):
+    def __init__(self, args: EngineArgs, max_waiting_requests: int | None = None, threads: int | None = None) -> None:
+        super().__init__(EngineView(args), max_waiting_requests, start=False)
+        ctx = mp.get_context("spawn")
+        cmd_parent, cmd_child = ctx.Pipe(duplex=False)[::-1]  # (send end, receive end) -> parent sends
+        out_parent, out_child = ctx.Pipe(duplex=False)
+        self._cmd, self._out = cmd_parent, out_parent
+        self.proc = ctx.Process(
+            target=_core_main, args=(args, cmd_child, out_child, threads, logging.getLogger().level),
+            name="arcserve-engine-core", daemon=True,
+        )  # fmt: skip
+        self.proc.start()
+        kind, payload = self._out.recv()
+        if kind == "fatal":
+            self.proc.join(timeout=5)
+            raise ValueError(payload)
+        self.engine.snapshot = payload
+        self._thread = threading.Thread(target=self._receive, name="arcserve-engine-io", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_waiting(self) -> int:
+        return self._pending + int(self.engine.snapshot.get("arcserve:num_requests_waiting", 0))
+
+    def _num_running(self) -> int:
+        return int(self.engine.snapshot.get("arcserve:num_requests_running", 0))
+
+    def _submit(self, kind: str, arg) -> None:
+        try:
+            self._cmd.send((kind, arg))
+        except (BrokenPipeError, OSError) as e:
+            self.dead = e
+
+    def _receive(self) -> None:
+        while not self._stop:
+            try:
+                if not self._out.poll(0.5):
+                    if not self.proc.is_alive():
+                        raise EOFError("engine process exited")
+                    continue
+                msg = self._out.recv()
+            except (EOFError, OSError) as e:
+                if not self._stop:
+                    self._die(e)
+                return
+            kind = msg[0]
+            if kind == "outputs":
+                _, outs, snapshot, added = msg
+                with self._lock:
+                    self._pending -= added
+                self.engine.snapshot = snapshot
+                for out in outs:
+                    self._deliver(out.request_id, out)
+            elif kind == "error":
+                self._deliver(msg[1], ValueError(msg[2]))
+            elif kind == "failed":
+                for rid in msg[1]:
+                    self._deliver(rid, RuntimeError(f"internal error while generating: {msg[2]}"))
+
+    def _die(self, err: BaseException) -> None:
+        logger.error("the engine process died: %r", err)
+        self.dead = err
+        with self._lock:
+            ids = list(self._streams)
+        for rid in ids:
+            self._deliver(rid, EngineDeadError(f"the engine process died: {err!r}"))
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._submit("stop", None)
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+        self._thread.join(timeout=5)

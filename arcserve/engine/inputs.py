@@ -1,0 +1,121 @@
+"""InputProcessor: tokenizer, configs and request validation, without the model.
+
+LLMEngine builds on it; a server front end whose engine runs elsewhere (another process) uses it
+alone to tokenize and validate requests before handing them over.
+"""
+
+from __future__ import annotations
+
+import time
+
+from arcserve.config import EngineArgs
+from arcserve.engine.output_processor import RequestGroup
+from arcserve.engine.request import Request
+from arcserve.models.config import ModelConfig
+from arcserve.models.hf_files import load_generation_defaults, load_tokenizer
+from arcserve.sampling_params import SamplingParams
+
+
+class InputProcessor:
+    def __init__(self, args: EngineArgs) -> None:
+        if args.model is None:
+            from arcserve.models.demo import demo_model_dir
+
+            args.model = str(demo_model_dir())
+        self.args = args
+        self.model_config = cfg = ModelConfig.from_dir(args.model)
+        self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        self.generation_defaults = load_generation_defaults(args.generation_config, args.model)
+        eos = set(cfg.eos_token_ids) | set(self.generation_defaults.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.chat_template: str | None = None  # overrides the tokenizer's (server --chat-template)
+        self.max_model_len = args.max_model_len or cfg.max_position_embeddings
+
+    def default_sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.generation_defaults.sampling)
+
+    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(
+            "prompt must be a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'"
+        )
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> tuple[str, list[int]]:
+        """Render a conversation with the tokenizer's (or the given) chat template; returns
+        (text, token ids). The template supplies any BOS token itself."""
+        template = chat_template or self.chat_template
+        if template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                "This model's tokenizer has no chat template; pass one (chat_template=, --chat-template)"
+            )
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"Each chat message needs 'role' and 'content'; got {m!r}")
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            chat_template=template, **(chat_template_kwargs or {}),
+        )  # fmt: skip
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> tuple[RequestGroup, list[Request]]:
+        """Tokenize and validate a request without touching engine state (safe from any thread).
+        Raises ValueError naming what is wrong."""
+        params = params or self.default_sampling_params()
+        text, ids = self.tokenize_prompt(prompt)
+        self._validate(ids, params)
+        params = params.clone()
+        params._eos_token_ids = self.eos_token_ids
+        max_tokens = self.max_model_len - len(ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        group = RequestGroup(request_id, text, ids, params)
+        arrival = arrival_time or time.time()
+        children = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            req = Request(child_id, ids, params, max_tokens, arrival, priority)
+            req.seed = None if params.seed is None else params.seed + i  # generator made by the engine
+            if i > 0:
+                req.prompt_logprobs = None  # the prompt is the same for every child: compute once
+            children.append(req)
+        return group, children
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("The prompt is empty; give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"The prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
+                f"(the prompt plus at least one generated token must fit)"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"Token ids must be in [0, {vocab}); got {bad[:5]}")
+        for t in list(params.logit_bias or {}) + params.stop_token_ids:
+            if t >= vocab:
+                raise ValueError(f"Token id {t} in logit_bias/stop_token_ids is outside [0, {vocab})")
+
