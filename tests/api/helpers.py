@@ -104,7 +104,9 @@ class Server:
 
 @contextlib.contextmanager
 def serve(model_dir, name: str = MODEL, api_key: str | None = None, max_waiting_requests: int | None = None,
-          **engine_kw) -> Iterator[Server]:  # fmt: skip
+          process: bool = False, **engine_kw) -> Iterator[Server]:  # fmt: skip
+    """A real uvicorn server on 127.0.0.1 in a thread; the engine in a thread of this process, or in
+    its own process (process=True, as `arcserve serve` runs it)."""
     import uvicorn
 
     from arcserve import EngineArgs
@@ -113,8 +115,14 @@ def serve(model_dir, name: str = MODEL, api_key: str | None = None, max_waiting_
     from arcserve.engine.engine import LLMEngine
 
     kw = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 256, **engine_kw}
-    engine = LLMEngine(EngineArgs(model=str(model_dir), **kw))
-    front = AsyncLLM(engine, max_waiting_requests=max_waiting_requests)
+    if process:
+        from arcserve.engine.core_process import AsyncLLMProcess
+
+        front = AsyncLLMProcess(EngineArgs(model=str(model_dir), **kw), max_waiting_requests, threads=1)
+        engine = front.engine
+    else:
+        engine = LLMEngine(EngineArgs(model=str(model_dir), **kw))
+        front = AsyncLLM(engine, max_waiting_requests=max_waiting_requests)
     app = build_app(front, name, api_key=api_key)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host=HOST, port=port, log_level="warning"))

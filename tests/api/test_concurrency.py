@@ -13,7 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from .helpers import MODEL, sse_lines
+from .helpers import MODEL, serve, sse_lines
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(request, llama_dir):
+    """Every test here runs against the engine in a thread and in its own process."""
+    with serve(llama_dir, process=request.param == "process") as s:
+        yield s
 
 WORDS = ["fox", "dog", "Paris", "Berlin", "add", "café", "numbers", "emoji"]
 
