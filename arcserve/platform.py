@@ -61,11 +61,12 @@ def memory_info(device: torch.device) -> tuple[int, int]:
 
 
 def cpu_threads_for_engine() -> int:
-    """Compute threads for a CPU engine that shares the machine with a server process: all cores
-    but one (the HTTP side gets its own), unless OMP_NUM_THREADS says otherwise."""
+    """Compute threads for a CPU engine process beside the (light) HTTP server process: all cores,
+    unless OMP_NUM_THREADS says otherwise. Measured on 2 cores: 2 threads gave TTFT/TPOT p50
+    177/60 ms against 243-299/95-105 ms with one core left to the server (docs/BENCHMARKS.md)."""
     if "OMP_NUM_THREADS" in os.environ:
         return max(1, int(os.environ["OMP_NUM_THREADS"]))
-    return max(1, (os.cpu_count() or 1) - 1)
+    return max(1, os.cpu_count() or 1)
 
 
 def synchronize(device: torch.device) -> None:

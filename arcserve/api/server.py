@@ -182,13 +182,12 @@ def run_server(args, engine_args) -> None:
     template = read_chat_template(args.chat_template)
     api_key = args.api_key or os.environ.get("ARCSERVE_API_KEY")
     device = resolve_device(engine_args.device)
-    # The engine runs in its own process (no GIL or core shared with the event loop). On the CPU it
-    # leaves one core to this process, which only parses, tokenizes and streams.
+    # The engine runs in its own process (no GIL shared with the event loop); this process only
+    # parses, tokenizes and streams, so it keeps one thread and the engine gets every core.
     threads = cpu_threads_for_engine() if device.type == "cpu" else None
     if threads is not None:
         torch.set_num_threads(1)
-        logger.info("CPU compute threads for the engine: %d (one core left to the HTTP server; "
-                    "set OMP_NUM_THREADS to change)", threads)  # fmt: skip
+        logger.info("CPU compute threads for the engine: %d (set OMP_NUM_THREADS to change)", threads)
     front = AsyncLLMProcess(engine_args, args.max_waiting_requests, threads)
     name = args.served_model_name or os.path.basename(os.path.normpath(engine_args.model))
     app = build_app(front, name, api_key, template)
