@@ -81,14 +81,11 @@ class ModelRunner:
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
             block_tables=torch.from_numpy(tables.astype(np.int32)).to(dev),
             slot_mapping=torch.from_numpy(slots).to(dev),
-            max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()),
             host={
                 "query_start_loc": qsl,
                 "seq_lens": seq_lens,
                 "seq_ids": np.fromiter((s.request.seq_no for s in seqs), dtype=np.int64, count=len(seqs)),
                 "decode_mirror": self.decode_mirror,
-                "sliding_window": self.model.cfg.sliding_window,
             },
         )
         return torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), meta

@@ -105,26 +105,26 @@ class DecodeMirror:
             idx = torch.tensor([i for i, _, _ in refill], device=self.device)
             fill = (torch.tensor([r for _, r, _ in refill], device=self.device),
                     block_tables[idx, : -(-prev // block_size)].long(), prev)  # fmt: skip
-        return torch.from_numpy(rows).to(self.device), fill
+        return rows, fill
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache, v_cache,
-               plan: dict, scale: float, sliding_window: int | None) -> torch.Tensor:
-        rows, fill, tok, pos, mask = plan["rows"], plan["fill"], plan["tok"], plan["pos"], plan["mask"]
+               plan: dict, scale: float) -> torch.Tensor:  # fmt: skip
+        """Attention of the decode tokens, in row order (plan["tok"][r] is row r's token)."""
+        tok, pos, fill = plan["tok"], plan["pos"], plan["fill"]
         K, V = self.k[layer], self.v[layer]
         if fill is not None:  # new decoders: copy their context from the paged cache, once
             fill_rows, blocks, n = fill
             K[fill_rows, :, :n] = reference._gather(k_cache, blocks)[:, :, :n]
             V[fill_rows, :, :n] = reference._gather(v_cache, blocks)[:, :, :n]
+        rows = plan["row_ids"]
         K[rows, :, pos] = k[tok]  # this step's token
         V[rows, :, pos] = v[tok]
-        n, L = len(self.ids), plan["max_len"]
-        qr = torch.empty(n, q.shape[1], q.shape[2], dtype=q.dtype, device=q.device)
-        qr[rows] = q[tok]
+        n, L = len(rows), plan["max_len"]
         o = F.scaled_dot_product_attention(
-            qr.unsqueeze(2), K[:n, :, :L], V[:n, :, :L], attn_mask=mask, scale=scale,
+            q[tok].unsqueeze(2), K[:n, :, :L], V[:n, :, :L], attn_mask=plan["mask"], scale=scale,
             enable_gqa=q.shape[1] != K.shape[1],
         )  # fmt: skip
-        return o.squeeze(2)[rows]
+        return o.squeeze(2)
 
 
 def paged_attention(
@@ -133,47 +133,38 @@ def paged_attention(
 ) -> torch.Tensor:  # fmt: skip
     """Same contract as reference.paged_attention; decode tokens go through meta's DecodeMirror."""
     mirror: DecodeMirror | None = meta.host.get("decode_mirror")
-    plan = _plan(meta, k_cache.shape[1], mirror)
+    plan = _plan(meta, k_cache.shape[1], mirror, sliding_window)
     if plan is None:
         return reference.paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
-    out = torch.empty_like(q)
-    out[plan["tok"]] = mirror.attend(layer, q, k, v, k_cache, v_cache, plan, scale, sliding_window)
-    if plan["has_prefill"]:
-        pre = reference.paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, skip_decode=True)
-        out[plan["prefill_tok"]] = pre[plan["prefill_tok"]]
+    # Prefill chunks (if any) through the reference; decode rows from the mirror into the same output.
+    out = reference.paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, skip_decode=True)
+    out[plan["tok"]] = mirror.attend(layer, q, k, v, k_cache, v_cache, plan, scale)
     return out
 
 
-def _plan(meta: AttentionMetadata, block_size: int, mirror: DecodeMirror | None) -> dict | None:
+def _plan(meta: AttentionMetadata, block_size: int, mirror: DecodeMirror | None, sliding_window: int | None):
+    """Once per step: rows for this step's decoders, in row order, or None to gather instead."""
     if "mirror_plan" in meta.cache:
         return meta.cache["mirror_plan"]
     plan = None
     qsl, seq_lens = meta.host["query_start_loc"], meta.host["seq_lens"]
-    q_lens = qsl[1:] - qsl[:-1]
-    dec = (q_lens == 1).nonzero()[0]
+    dec = ((qsl[1:] - qsl[:-1]) == 1).nonzero()[0]
     if mirror is not None and len(dec) and seq_lens[dec].sum() >= MIN_MIRROR_CONTEXT:
         lens = seq_lens[dec]
         got = mirror.plan(meta.host["seq_ids"][dec], lens, meta.block_tables[torch.from_numpy(dec)], block_size)
         if got is not None:
             rows, fill = got
+            order = np.empty_like(rows)
+            order[rows] = np.arange(len(rows))  # decoder index of each row
             dev = meta.block_tables.device
-            max_len = int(mirror.lens.max())
             lens_rows = torch.from_numpy(mirror.lens.copy()).to(dev)
-            pos_all = torch.arange(max_len, device=dev)
-            mask = pos_all[None, :] < lens_rows[:, None]
-            window = meta.host.get("sliding_window")
-            if window is not None:
-                mask &= pos_all[None, :] > lens_rows[:, None] - 1 - window
-            pre = (q_lens > 1).nonzero()[0]
+            max_len = int(mirror.lens.max())
+            mask = reference.decode_mask(lens_rows, max_len, sliding_window)
             plan = {
-                "rows": rows, "fill": fill, "max_len": max_len,
-                "tok": torch.from_numpy(qsl[dec]).to(dev),
-                "pos": torch.from_numpy(lens - 1).to(dev),
-                "mask": mask[:, None, None, :],
-                "has_prefill": len(pre) > 0,
-                "prefill_tok": torch.from_numpy(
-                    np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in pre]) if len(pre) else np.zeros(0, np.int64)
-                ).to(dev),
+                "fill": fill, "max_len": max_len, "mask": mask,
+                "row_ids": torch.arange(len(rows), device=dev),
+                "tok": torch.from_numpy(qsl[dec][order]).to(dev),
+                "pos": torch.from_numpy(lens[order] - 1).to(dev),
             }  # fmt: skip
     meta.cache["mirror_plan"] = plan
     return plan

@@ -88,14 +88,24 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32, context length after this step (cached + new)
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
     slot_mapping: torch.Tensor  # [T] int64
-    max_query_len: int
-    max_seq_len: int
     # Host copies (numpy) for backends that plan on the host, and derived tensors they cache.
     host: dict = field(default_factory=dict)
     cache: dict = field(default_factory=dict)
 
 
-def _plan(meta: AttentionMetadata, block_size: int) -> dict:
+def decode_mask(lens: torch.Tensor, width: int, sliding_window: int | None) -> torch.Tensor | None:
+    """[B, width] which cached positions each decoding sequence (context length `lens`) reads;
+    None when every position is read (one sequence, whole width, no window)."""
+    if len(lens) == 1 and int(lens[0]) == width and sliding_window is None:
+        return None
+    pos = torch.arange(width, device=lens.device)[None, :]
+    mask = pos < lens[:, None]
+    if sliding_window is not None:
+        mask &= pos > lens[:, None] - 1 - sliding_window
+    return mask[:, None, None, :]
+
+
+def _plan(meta: AttentionMetadata, block_size: int, sliding_window: int | None) -> dict:
     """How the torch backend reads the cache this step, computed once and reused by every layer.
     Decode tokens (one query each) are batched into one call over gathered blocks; each prefill
     chunk gets its own call, and a chunk with no cached context attends to its own K/V directly."""
@@ -112,12 +122,9 @@ def _plan(meta: AttentionMetadata, block_size: int) -> dict:
         max_len = int(lens.max())
         nblk = -(-max_len // block_size)
         idx = torch.from_numpy(dec).to(dev)
-        lens_t = torch.from_numpy(lens).to(dev)
-        mask = None
-        if len(dec) > 1 or max_len % block_size:
-            mask = torch.arange(nblk * block_size, device=dev)[None, :] < lens_t[:, None]
+        mask = decode_mask(torch.from_numpy(lens).to(dev), nblk * block_size, sliding_window)
         tok = torch.from_numpy(qsl[dec]).to(dev)  # decode sequences' token rows in the batch
-        plan["decode"] = (tok, bt[idx, :nblk].long(), mask, lens_t)
+        plan["decode"] = (tok, bt[idx, :nblk].long(), mask)
     for i in (q_lens > 1).nonzero()[0]:
         n, ctx = int(q_lens[i]), int(seq_lens[i])
         blocks = None if ctx == n else bt[i, : -(-ctx // block_size)].long()
@@ -148,21 +155,15 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of every scheduled token over its sequence's context: the cached prefix
     (the cache already holds this step's K/V too) and, for fresh prefill chunks, k/v directly.
-    q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]. Returns [T, heads, head_dim]."""
-    plan = _plan(meta, k_cache.shape[1])
+    q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]. Returns [T, heads, head_dim].
+    skip_decode leaves the decode tokens' rows unwritten (a caller that computes them itself)."""
+    plan = _plan(meta, k_cache.shape[1], sliding_window)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k_cache.shape[2]
     if plan["decode"] is not None and not skip_decode:
-        tok, blocks, mask, lens = plan["decode"]
+        tok, blocks, mask = plan["decode"]
         kd, vd = _gather(k_cache, blocks), _gather(v_cache, blocks)  # [B, KVH, L, D]
-        if mask is None:  # one sequence filling whole blocks: nothing to mask
-            mask = torch.ones(1, kd.shape[2], dtype=torch.bool, device=q.device)
-        if sliding_window is not None:
-            pos = torch.arange(kd.shape[2], device=q.device)
-            mask = mask & (pos[None, :] > lens[:, None] - 1 - sliding_window)
-        o = F.scaled_dot_product_attention(
-            q[tok].unsqueeze(2), kd, vd, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa
-        )
+        o = F.scaled_dot_product_attention(q[tok].unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[tok] = o.squeeze(2)
     for start, n, ctx, blocks in plan["prefill"]:
         qp = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]

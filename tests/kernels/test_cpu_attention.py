@@ -14,7 +14,7 @@ from arcserve.kernels.reference import AttentionMetadata
 BS, KVH, H, D, LAYERS, NB = 4, 2, 6, 8, 2, 400
 
 
-def make_meta(batch, block_tables, mirror, window):
+def make_meta(batch, block_tables, mirror):
     """batch: list of (seq_id, start, n_new)."""
     q_lens = np.array([n for _, _, n in batch])
     qsl = np.zeros(len(batch) + 1, dtype=np.int64)
@@ -32,10 +32,8 @@ def make_meta(batch, block_tables, mirror, window):
         seq_lens=torch.from_numpy(seq_lens).int(),
         block_tables=torch.from_numpy(tables).int(),
         slot_mapping=torch.tensor(slots),
-        max_query_len=int(q_lens.max()),
-        max_seq_len=int(seq_lens.max()),
         host={"query_start_loc": qsl, "seq_lens": seq_lens, "seq_ids": np.array([b[0] for b in batch]),
-              "decode_mirror": mirror, "sliding_window": window},
+              "decode_mirror": mirror},
     )  # fmt: skip
 
 
@@ -75,8 +73,8 @@ def test_mirror_matches_reference_over_changing_batches(seed, window, budget, mo
             batch.append((sid, done, n))
         if not batch:
             continue
-        meta_fast = make_meta(batch, tables, mirror, window)
-        meta_ref = make_meta(batch, tables, None, window)
+        meta_fast = make_meta(batch, tables, mirror)
+        meta_ref = make_meta(batch, tables, None)
         T = int(meta_fast.host["query_start_loc"][-1])
         for layer in range(LAYERS):
             q, k, v = torch.randn(T, H, D), torch.randn(T, KVH, D), torch.randn(T, KVH, D)
@@ -127,7 +125,7 @@ def test_reference_paged_attention_matches_definition(seed, window):
         tables[sid] = [free.pop() for _ in range(-(-(start + n) // BS))]
         batch.append((sid, start, n))
     rng.shuffle(batch)
-    meta = make_meta(batch, tables, None, window)
+    meta = make_meta(batch, tables, None)
     T = int(meta.host["query_start_loc"][-1])
     q, k, v = torch.randn(T, H, D), torch.randn(T, KVH, D), torch.randn(T, KVH, D)
     reference.store_kv(k, v, kc, vc, meta.slot_mapping)
