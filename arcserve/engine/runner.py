@@ -105,18 +105,12 @@ class ModelRunner:
         tokens = so.tokens.tolist()  # the step's one host-device sync
         result = StepResult({r.request_id: t for r, t in zip(reqs, tokens)}, {}, prompt_lps)
         if so.logprob_rows:
-            tok_lp = so.token_logprob.tolist()
-            ranks = so.token_rank.tolist()
+            tok_lp, ranks = so.token_logprob.tolist(), so.token_rank.tolist()
             top_ids = so.topk_ids.tolist() if so.topk_ids is not None else None
             top_lp = so.topk_logprobs.tolist() if so.topk_logprobs is not None else None
             for j, i in enumerate(so.logprob_rows):
-                req, tok = reqs[i], tokens[i]
-                k = req.params.logprobs
-                entries = {tok: Logprob(tok_lp[j], ranks[j])}
-                for r in range(k):
-                    tid = top_ids[j][r]
-                    if tid not in entries:
-                        entries[tid] = Logprob(top_lp[j][r], r + 1)
+                req = reqs[i]
+                entries = _entries(tokens[i], tok_lp[j], ranks[j], top_ids, top_lp, j, req.params.logprobs)
                 result.logprobs[req.request_id] = (tok_lp[j], entries)
         return result
 
@@ -140,14 +134,19 @@ class ModelRunner:
                 rows = torch.arange(a, b, device=self.device) - s.start_pos + int(qsl[i])
                 lp = self.model.logits(hidden[rows]).log_softmax(dim=-1)
                 target = torch.tensor(req.token_ids[a + 1 : b + 1], device=self.device)
-                chosen = lp.gather(1, target[:, None])
-                ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
-                top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (None, None)
-                for j, tok in enumerate(target.tolist()):
-                    e = {tok: Logprob(chosen[j, 0].item(), ranks[j])}
-                    for r in range(k):
-                        tid = int(top_i[j, r])
-                        e.setdefault(tid, Logprob(float(top_v[j, r]), r + 1))
-                    entries.append(e)
+                chosen = lp.gather(1, target[:, None])[:, 0]
+                ranks = ((lp > chosen[:, None]).sum(dim=-1) + 1).tolist()
+                top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], target[:, None][:, :0])
+                top_ids, top_lps, chosen = top_i.tolist(), top_v.tolist(), chosen.tolist()
+                for j, tok in enumerate(req.token_ids[a + 1 : b + 1]):
+                    entries.append(_entries(tok, chosen[j], ranks[j], top_ids, top_lps, j, k))
             result[req.request_id] = entries
         return result
+
+
+def _entries(tok: int, lp: float, rank: int, top_ids, top_lps, row: int, k: int) -> dict[int, Logprob]:
+    """The chosen token's Logprob plus the row's top-k (host lists), best first."""
+    entries = {tok: Logprob(lp, rank)}
+    for r in range(k):
+        entries.setdefault(top_ids[row][r], Logprob(top_lps[row][r], r + 1))
+    return entries
