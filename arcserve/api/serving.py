@@ -50,9 +50,6 @@ class Serving:
             )  # fmt: skip
         return requested
 
-    def _prompt_len(self, prompt) -> int:
-        return len(self.llm.tokenize_prompt(prompt)[1])
-
     async def _finals(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
         """Wait for every stream's final output; abort them all if the client goes away."""
         tasks = [asyncio.ensure_future(s.__anext__()) for s in streams]
@@ -126,15 +123,18 @@ class Serving:
             raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of must equal n (or be left out)", param="best_of")
-        try:
-            prompts = body.prompts()
-            plens = [self._prompt_len(p) for p in prompts]
+        try:  # tokenize once; the engine gets token ids
+            prompts = []
+            for p in body.prompts():
+                text, ids = self.llm.tokenize_prompt(p)
+                prompts.append({"prompt_token_ids": ids, "prompt": text})
         except ValueError as e:
             raise bad_request(e) from e
+        plens = [len(p["prompt_token_ids"]) for p in prompts]
         defaults = self.llm.generation_defaults.sampling
 
         def params_for(p):
-            mt = self._max_tokens(body.max_tokens, self._prompt_len(p))
+            mt = self._max_tokens(body.max_tokens, len(p["prompt_token_ids"]))
             try:
                 prompt_lp = body.logprobs if body.echo else None
                 return body.to_sampling_params(defaults, mt, body.logprobs, prompt_lp)
@@ -194,8 +194,8 @@ class Serving:
             return None
         return self._join_logprobs(self._prompt_part(out, body.logprobs), self._completion_logprobs(o, 0, body.logprobs))
 
-    def _prompt_text(self, p) -> str:
-        return p if isinstance(p, str) else self.tokenizer.decode(p["prompt_token_ids"])
+    def _prompt_text(self, p: dict) -> str:
+        return p["prompt"] if p["prompt"] is not None else self.tokenizer.decode(p["prompt_token_ids"])
 
     async def _stream_completions(self, streams, rid, created, n, echo, plens, include_usage, k):
         completion = 0
