@@ -141,9 +141,9 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> torch.Tensor:
         dev = logits.device
         params = [reqs[i].params for i in rows]
-        idx = torch.tensor(rows, device=dev)
         temp = torch.tensor([p.temperature for p in params], device=dev)
-        x = logits[idx] / temp[:, None]
+        sub = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=dev)]
+        x = sub / temp[:, None]
         V = x.shape[1]
         top_k = top_p = min_p = None
         if any(0 < p.top_k < V for p in params):
