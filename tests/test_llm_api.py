@@ -245,3 +245,29 @@ def test_get_metrics_counts_exactly(llama_dir):
     m2 = llm.get_metrics()
     assert m2["arcserve:prefix_cache_hits_total"] > m["arcserve:prefix_cache_hits_total"]
     assert m2["arcserve:prefix_cache_queries_total"] > m2["arcserve:prefix_cache_hits_total"]
+
+
+def test_a_failing_step_fails_only_its_requests(llama_dir, monkeypatch):
+    from arcserve.engine.async_engine import step_isolated
+
+    engine = LLMEngine(EngineArgs(model=str(llama_dir), dtype="float32", max_model_len=128))
+    engine.add_request("a", "The quick", greedy(5))
+    engine.add_request("b", "Paris", greedy(5))
+    real = engine.runner.execute
+
+    def broken(out):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    outs, failed, err = step_isolated(engine)
+    assert outs == [] and sorted(failed) == ["a", "b"] and "injected" in repr(err)
+    assert not engine.has_unfinished_requests() and engine.scheduler.kv.usage() == 0.0
+    assert engine.get_metrics()["arcserve:request_success_total"] == {"abort": 2}
+    monkeypatch.setattr(engine.runner, "execute", real)
+    engine.add_request("c", "The quick", greedy(5))
+    done = []
+    while engine.has_unfinished_requests():
+        outs, failed, _ = step_isolated(engine)
+        assert failed == []
+        done += [o for o in outs if o.finished]
+    assert [o.request_id for o in done] == ["c"] and len(done[0].outputs[0].token_ids) == 5

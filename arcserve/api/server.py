@@ -137,7 +137,8 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
-        known = [t for t in body.tokens if t < len(llm.tokenizer)]
+        known_len = len(llm.tokenizer)  # ids past the tokenizer (padded vocab) decode to nothing
+        known = [t for t in body.tokens if t < known_len]
         return {"prompt": llm.tokenizer.decode(known)}
 
     @app.get("/health")

@@ -23,6 +23,31 @@ from arcserve.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger("arcserve")
 
 
+def run_command(engine: LLMEngine, kind: str, arg) -> ValueError | None:
+    """Apply one front-end command to the engine: "add" a prepared request or "abort" an id.
+    A refused add returns its error (for the caller) instead of raising."""
+    if kind == "add":
+        try:
+            engine.add_prepared(arg)
+        except ValueError as e:
+            return e
+    else:
+        engine.abort_request(arg)
+    return None
+
+
+def step_isolated(engine: LLMEngine) -> tuple[list[RequestOutput], list[str], Exception | None]:
+    """One engine step. If it raises, only the requests in flight fail: they are aborted (blocks
+    freed) and returned with the error, and the engine serves the next ones."""
+    try:
+        return engine.step(), [], None
+    except Exception as e:
+        logger.exception("engine step failed; failing the requests in flight")
+        ids = list(engine.outputs.groups)
+        engine.abort_request(ids)
+        return [], ids, e
+
+
 class EngineOverloaded(Exception):
     """Too many requests are waiting; the caller should retry later (HTTP 503)."""
 
@@ -141,15 +166,11 @@ class AsyncLLM:
             if kind == "add":
                 with self._lock:
                     self._pending -= 1
-                rid = arg[0].request_id
-                if rid not in self._streams:  # its caller already left
+                if arg[0].request_id not in self._streams:  # its caller already left
                     continue
-                try:
-                    self.engine.add_prepared(arg)
-                except ValueError as e:
-                    self._deliver(rid, e)
-            else:
-                self.engine.abort_request(arg)
+            err = run_command(self.engine, kind, arg)
+            if err is not None:
+                self._deliver(arg[0].request_id, err)
 
     def _run(self) -> None:
         while not self._stop:
@@ -158,20 +179,11 @@ class AsyncLLM:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
-            try:
-                outputs = self.engine.step()
-            except Exception as e:  # fail the requests in flight, keep serving the next ones
-                logger.exception("engine step failed; failing the requests in flight")
-                self._fail_all(e)
-                continue
+            outputs, failed, err = step_isolated(self.engine)
+            for rid in failed:
+                self._deliver(rid, RuntimeError(f"internal error while generating: {err!r}"))
             for out in outputs:
                 self._deliver(out.request_id, out)
-
-    def _fail_all(self, err: Exception) -> None:
-        ids = list(self.engine.outputs.groups)
-        self.engine.abort_request(ids)
-        for rid in ids:
-            self._deliver(rid, RuntimeError(f"internal error while generating: {err!r}"))
 
 
 class RequestStream:

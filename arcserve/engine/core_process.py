@@ -13,7 +13,7 @@ import multiprocessing as mp
 import threading
 
 from arcserve.config import EngineArgs
-from arcserve.engine.async_engine import AsyncLLM, EngineDeadError
+from arcserve.engine.async_engine import AsyncLLM, EngineDeadError, run_command, step_isolated
 from arcserve.engine.inputs import InputProcessor
 
 logger = logging.getLogger("arcserve")
@@ -58,26 +58,17 @@ def _serve_commands(engine, cmd_conn, out_conn) -> None:
             kind, arg = cmd_conn.recv()
             if kind == "stop":
                 return
-            if kind == "add":
-                added += 1
-                try:
-                    engine.add_prepared(arg)
-                except ValueError as e:
-                    out_conn.send(("error", arg[0].request_id, str(e)))
-            else:
-                engine.abort_request(arg)
+            added += kind == "add"
+            err = run_command(engine, kind, arg)
+            if err is not None:
+                out_conn.send(("error", arg[0].request_id, str(err)))
         if not engine.has_unfinished_requests():
             if added or timeout == 0:  # commands changed the figures (aborts free blocks)
                 out_conn.send(("outputs", [], engine.get_metrics(), added))
             continue
-        try:
-            outs = engine.step()
-        except Exception as e:  # fail the requests in flight, keep serving the next ones
-            logger.exception("engine step failed; failing the requests in flight")
-            ids = list(engine.outputs.groups)
-            engine.abort_request(ids)
-            out_conn.send(("failed", ids, repr(e)))
-            continue
+        outs, failed, err = step_isolated(engine)
+        if failed:
+            out_conn.send(("failed", failed, repr(err)))
         out_conn.send(("outputs", outs, engine.get_metrics(), added))
 
 
