@@ -33,10 +33,6 @@ def resolve_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def is_cpu(device: torch.device) -> bool:
-    return device.type == "cpu"
-
-
 def host_memory() -> tuple[int, int]:
     """(available, total) bytes of host memory."""
     info = {}
@@ -67,10 +63,3 @@ def cpu_threads_for_engine() -> int:
     if "OMP_NUM_THREADS" in os.environ:
         return max(1, int(os.environ["OMP_NUM_THREADS"]))
     return max(1, os.cpu_count() or 1)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "xpu":
-        torch.xpu.synchronize(device)

@@ -82,11 +82,6 @@ class BlockPool:
     def lookup(self, h: bytes) -> int | None:
         return self.cached.get(h)
 
-    def reset_prefix_cache(self) -> None:
-        for b in self.free_queue:
-            self.block_hash[b] = None
-        self.cached = {h: b for h, b in self.cached.items() if self.ref_cnt[b] > 0}
-
 
 class KVCacheManager:
     """Per-request block tables on top of a BlockPool."""
@@ -155,9 +150,6 @@ class KVCacheManager:
             self._num_hashed[req.request_id] = len(cached)
         self.blocks[req.request_id].extend(cached + new)
         return True
-
-    def can_fit(self, num_tokens: int) -> bool:
-        return -(-num_tokens // self.block_size) <= self.num_blocks
 
     def commit(self, req: Request) -> None:
         """Register the request's blocks that its computed tokens have filled in the prefix cache."""

@@ -54,11 +54,6 @@ class Histogram:
 
 
 class EngineMetrics:
-    HISTOGRAMS = (
-        "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-        "request_queue_time_seconds", "request_prompt_tokens", "request_generation_tokens",
-    )  # fmt: skip
-
     def __init__(self, max_model_len: int) -> None:
         self.lock = threading.Lock()
         self.prompt_tokens = 0
