@@ -162,8 +162,10 @@ def test_disconnect_while_waiting_for_a_non_streamed_answer(server):
 
 
 def test_one_disconnect_leaves_the_other_streams_intact(server):
+    """Four streams run together; the last one opened (the one with the most left to generate) goes
+    away mid-stream. The other three must finish with exactly their solo texts."""
     prompts = ["The quick brown fox", "def add(a, b):", "Paris is", "Numbers 0 1 2"]
-    body = {"model": MODEL, "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    body = {"model": MODEL, "max_tokens": 240, "temperature": 0, "ignore_eos": True}
     solo = [
         server.post("/v1/completions", json={**body, "prompt": p}).json()["choices"][0]["text"]
         for p in prompts
@@ -179,10 +181,9 @@ def test_one_disconnect_leaves_the_other_streams_intact(server):
             assert r.status_code == 200
             lines = (line for line in r.iter_lines() if line)
             streams.append((hc, r, lines, [json.loads(next(lines)[6:])]))
-        assert server.metric("arcserve:num_requests_running") == 4
-        streams[1][1].close()  # client 1 goes away
-        streams[1][0].close()
-        for i in (0, 2, 3):
+        streams[3][1].close()  # client 3 goes away
+        streams[3][0].close()
+        for i in (0, 1, 2):
             events = streams[i][3] + sse_lines(streams[i][2])
             assert "".join(e["choices"][0]["text"] for e in events) == solo[i]
             assert events[-1]["choices"][0]["finish_reason"] == "length"
