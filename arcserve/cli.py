@@ -30,7 +30,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
-    p.add_argument("--kernels", default="auto", choices=["auto", "torch"])
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto = Triton on GPUs, PyTorch on CPU")  # fmt: skip
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="GPU: share of device memory for weights, activations and the KV cache")  # fmt: skip
+    p.add_argument("--enforce-eager", action="store_true", help="GPU: run decode steps without graphs")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy: random weights from config.json alone (benchmarks)")  # fmt: skip
     p.add_argument("--generation-config", default="auto", help="auto | a folder | vllm (ignore the model's)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 

@@ -22,8 +22,11 @@ class EngineArgs:
     seed: int = 0
     scheduling_policy: Any = "fcfs"  # "fcfs" | "priority" | a SchedulingPolicy instance
     device: str = "auto"  # auto | cuda | xpu | cpu
-    kernels: str = "auto"  # auto | torch
+    kernels: str = "auto"  # auto (triton on GPUs, torch on CPU) | torch | triton
     generation_config: str = "auto"  # auto (model folder) | a folder | "vllm" (ignore the model's)
+    gpu_memory_utilization: float = 0.9  # GPU: share of device memory for weights, activations, KV cache
+    enforce_eager: bool = False  # GPU: no decode graphs
+    load_format: str = "auto"  # auto (safetensors) | dummy (random weights from config.json; benchmarks)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -34,6 +37,10 @@ class EngineArgs:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
                      "kv_cache_memory_bytes"):  # fmt: skip
             positive(name)
+        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two from 1 to 128, got {self.block_size}")
 

@@ -1,4 +1,5 @@
-"""The one module that knows device vendors: device choice, memory, synchronisation.
+"""The one module that knows device vendors: device choice, memory, synchronisation, graph capture,
+distributed backend names and Triton launch options.
 
 Everything else asks this module and stays device-neutral (the same code runs on CUDA, XPU and CPU).
 """
@@ -63,3 +64,95 @@ def cpu_threads_for_engine() -> int:
     if "OMP_NUM_THREADS" in os.environ:
         return max(1, int(os.environ["OMP_NUM_THREADS"]))
     return max(1, os.cpu_count() or 1)
+
+
+# ---- Triton --------------------------------------------------------------------------------------
+def triton_interpreting() -> bool:
+    """True when Triton kernels run in its CPU interpreter (TRITON_INTERPRET=1: CI, CPU debugging)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_available(device: torch.device) -> bool:
+    """Triton kernels can run on `device`: a GPU with a Triton backend, or the interpreter on CPU."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return device.type in ("cuda", "xpu") or (device.type == "cpu" and triton_interpreting())
+
+
+def triton_launch_options() -> dict:
+    """Backend-specific launch options: large register files on Intel XPU, nothing elsewhere."""
+    if _has_xpu() and not torch.cuda.is_available() and not triton_interpreting():
+        return {"grf_mode": "large"}
+    return {}
+
+
+def compute_units(device: torch.device) -> int:
+    """Streaming multiprocessors (CUDA) / Xe cores (XPU) / CPU cores: how many programs fill the device."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    if device.type == "xpu":
+        return getattr(torch.xpu.get_device_properties(device), "gpu_subslice_count", 64)
+    return os.cpu_count() or 1
+
+
+# ---- synchronisation, memory statistics, graphs ----------------------------------------------
+def _backend(device: torch.device):
+    """torch.cuda or torch.xpu for a GPU device (None on CPU)."""
+    return {"cuda": torch.cuda, "xpu": getattr(torch, "xpu", None)}.get(device.type)
+
+
+def synchronize(device: torch.device) -> None:
+    b = _backend(device)
+    if b is not None:
+        b.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    b = _backend(device)
+    if b is not None:
+        b.empty_cache()
+        b.reset_peak_memory_stats(device)
+
+
+def memory_allocated(device: torch.device) -> tuple[int, int]:
+    """(bytes allocated now, peak since reset_peak_memory) by torch on `device`; (0, 0) on CPU."""
+    b = _backend(device)
+    if b is None:
+        return 0, 0
+    return b.memory_allocated(device), b.max_memory_allocated(device)
+
+
+def empty_cache(device: torch.device) -> None:
+    b = _backend(device)
+    if b is not None:
+        b.empty_cache()
+
+
+def graphs_supported(device: torch.device) -> bool:
+    """Graph capture of decode steps: CUDA graphs; XPU graphs where the installed torch has them."""
+    if device.type == "cuda":
+        return True
+    return device.type == "xpu" and hasattr(torch.xpu, "XPUGraph")
+
+
+def new_graph(device: torch.device):
+    return torch.cuda.CUDAGraph() if device.type == "cuda" else torch.xpu.XPUGraph()
+
+
+def graph_pool(device: torch.device):
+    return torch.cuda.graph_pool_handle() if device.type == "cuda" else torch.xpu.graph_pool_handle()
+
+
+def capture(graph, device: torch.device, pool):
+    """Context manager that records the work issued inside it into `graph` (on a side stream)."""
+    return torch.cuda.graph(graph, pool=pool) if device.type == "cuda" else torch.xpu.graph(graph, pool=pool)
+
+
+def pin_memory_available(device: torch.device) -> bool:
+    return device.type in ("cuda", "xpu")
+
+
+def distributed_backend(device: torch.device) -> str:
+    return {"cuda": "nccl", "xpu": "xccl"}.get(device.type, "gloo")

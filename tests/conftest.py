@@ -8,6 +8,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from arcserve.platform import resolve_device  # noqa: E402
+
+# The device the kernel and engine tests run on: a GPU when the machine has one, else the CPU,
+# where Triton kernels run in Triton's interpreter (set before any kernel module is imported).
+DEVICE = resolve_device("auto")
+if DEVICE.type == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from tiny_models import make_model_dir  # noqa: E402
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]

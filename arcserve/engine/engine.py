@@ -17,12 +17,12 @@ from arcserve.engine.metrics import EngineMetrics
 from arcserve.engine.output_processor import OutputProcessor, RequestGroup
 from arcserve.engine.policy import make_policy
 from arcserve.engine.request import Request, RequestStatus
-from arcserve.engine.runner import ModelRunner, kv_cache_bytes_per_block
+from arcserve.engine.runner import ModelRunner, kv_cache_bytes_per_block, profile_peak_activations
 from arcserve.engine.scheduler import Scheduler
 from arcserve.kernels import get_ops
 from arcserve.models.loader import load_model
 from arcserve.outputs import RequestOutput
-from arcserve.platform import memory_info, resolve_device
+from arcserve.platform import graphs_supported, memory_info, resolve_device
 from arcserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("arcserve")
@@ -40,16 +40,24 @@ class LLMEngine(InputProcessor):
         torch.manual_seed(args.seed)
 
         t0 = time.time()
-        ops = get_ops(args.kernels, self.device.type)
-        self.model = load_model(cfg, self.dtype, self.device, ops, self.max_model_len)
+        ops = get_ops(args.kernels, self.device)
+        self.model = load_model(cfg, self.dtype, self.device, ops, self.max_model_len, args.load_format, args.seed)
         logger.info(
             "Loaded %s (%s, %d layers) as %s on %s in %.1f s", args.model, cfg.architecture,
             cfg.num_layers, str(self.dtype).removeprefix("torch."), self.device, time.time() - t0,
         )  # fmt: skip
-        num_blocks = self._num_kv_blocks()
-        self.runner = ModelRunner(self.model, num_blocks, args.block_size, args.seed)
-        self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.max_num_batched_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        num_blocks = self._num_kv_blocks()
+        self.runner = ModelRunner(self.model, num_blocks, args.block_size, args.seed, self.max_model_len,
+                                  args.max_num_seqs)  # fmt: skip
+        # Graphs need attention that plans on the device (the Triton kernels), not the torch twin's host plan.
+        if (self.device.type != "cpu" and not args.enforce_eager and graphs_supported(self.device)
+                and ops.prepare_attention is not None):  # fmt: skip
+            t0 = time.time()
+            sizes = self.runner.capture_decode_graphs()
+            logger.info("Captured decode graphs for %d batch sizes (1 to %d) in %.1f s", len(sizes), max(sizes),
+                        time.time() - t0)  # fmt: skip
+        self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, make_policy(args.scheduling_policy), args.max_num_seqs,
             self.max_num_batched_tokens, self.max_model_len,
@@ -65,10 +73,12 @@ class LLMEngine(InputProcessor):
             num_blocks = a.num_kv_blocks
         else:
             budget = a.kv_cache_memory_bytes
-            if budget is None:
+            if budget is None and self.device.type != "cpu":
+                budget = self._gpu_kv_budget()
+            elif budget is None:
                 free, _ = memory_info(self.device)
                 budget = min(_CPU_KV_DEFAULT, int(free * 0.3))
-            num_blocks = budget // per_block
+            num_blocks = max(0, budget) // per_block
             if a.kv_cache_memory_bytes is None:  # no use for more than every sequence at full length
                 num_blocks = min(num_blocks, a.max_num_seqs * -(-self.max_model_len // a.block_size))
         tokens = num_blocks * a.block_size
@@ -83,6 +93,28 @@ class LLMEngine(InputProcessor):
             num_blocks, tokens, self.max_model_len, tokens / self.max_model_len,
         )  # fmt: skip
         return num_blocks
+
+    def _gpu_kv_budget(self) -> int:
+        """gpu_memory_utilization of the device's memory, minus what is in use now (weights, context,
+        other processes) and the peak activations of a profile step at max_num_batched_tokens."""
+        free, total = memory_info(self.device)
+        used = total - free
+        activations = profile_peak_activations(self.model, self.max_num_batched_tokens, self.max_model_len,
+                                               self.args.max_num_seqs, self.args.block_size)  # fmt: skip
+        budget = int(total * self.args.gpu_memory_utilization) - used - activations
+        logger.info(
+            "Memory: %.2f GiB of %.2f GiB in use after loading; peak activations %.2f GiB; KV cache budget "
+            "%.2f GiB (gpu_memory_utilization %.2f)", used / 2**30, total / 2**30, activations / 2**30,
+            budget / 2**30, self.args.gpu_memory_utilization,
+        )  # fmt: skip
+        if budget <= 0:
+            raise ValueError(
+                f"No device memory left for the KV cache: {used / 2**30:.2f} GiB in use after loading and "
+                f"{activations / 2**30:.2f} GiB of activations exceed gpu_memory_utilization "
+                f"{self.args.gpu_memory_utilization} of {total / 2**30:.2f} GiB; raise gpu_memory_utilization "
+                "or lower max_num_batched_tokens"
+            )
+        return budget
 
     # ---- requests ---------------------------------------------------------------------------
     def add_prepared(self, prepared: tuple[RequestGroup, list[Request]]) -> None:

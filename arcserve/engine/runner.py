@@ -19,7 +19,16 @@ from arcserve.engine.scheduler import SchedulerOutput
 from arcserve.kernels.reference import AttentionMetadata
 from arcserve.models.decoder import DecoderModel
 from arcserve.outputs import Logprob
-from arcserve.platform import memory_info
+from arcserve.platform import (
+    capture,
+    empty_cache,
+    graph_pool,
+    memory_allocated,
+    memory_info,
+    new_graph,
+    reset_peak_memory,
+    synchronize,
+)
 
 
 @dataclass
@@ -35,11 +44,71 @@ def kv_cache_bytes_per_block(model: DecoderModel, block_size: int) -> int:
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes that get a captured graph: 1, 2, 4, 8, then steps of 8 up to max_num_seqs."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 8))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+def _prefill_meta(lens: list[int], block_size: int, device: torch.device) -> AttentionMetadata:
+    """Metadata of fresh prefills of the given lengths over blocks 0, 1, 2, ... (profiling)."""
+    nblk = [-(-n // block_size) for n in lens]
+    tables = np.zeros((len(lens), max(nblk)), dtype=np.int64)
+    first = np.cumsum([0] + nblk[:-1])
+    for i, n in enumerate(nblk):
+        tables[i, :n] = np.arange(first[i], first[i] + n)
+    qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    seq_lens = np.array(lens, dtype=np.int64)
+    pos = np.concatenate([np.arange(n) for n in lens])
+    seq_of = np.repeat(np.arange(len(lens)), lens)
+    slots = tables[seq_of, pos // block_size] * block_size + pos % block_size
+    return AttentionMetadata(
+        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+        block_tables=torch.from_numpy(tables.astype(np.int32)).to(device),
+        slot_mapping=torch.from_numpy(slots).to(device),
+        host={"query_start_loc": qsl, "seq_lens": seq_lens, "seq_ids": np.arange(len(lens)), "decode_mirror": None},
+    )
+
+
+@torch.inference_mode()
+def profile_peak_activations(model: DecoderModel, num_tokens: int, max_model_len: int, max_num_seqs: int,
+                             block_size: int) -> int:  # fmt: skip
+    """Peak bytes of activations of the largest step (num_tokens of prefill, logits and a top-p sort
+    for up to max_num_seqs rows), measured by running it on a scratch KV cache; 0 on CPU."""
+    dev = model.device
+    if dev.type == "cpu":
+        return 0
+    lens = [max_model_len] * (num_tokens // max_model_len) + ([num_tokens % max_model_len] if num_tokens % max_model_len else [])
+    cfg = model.cfg
+    nb = sum(-(-n // block_size) for n in lens)
+    reset_peak_memory(dev)
+    before = memory_allocated(dev)[0]
+    kv = torch.zeros(cfg.num_layers, 2, nb, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype, device=dev)
+    kv_bytes = kv.numel() * kv.element_size()
+    meta = _prefill_meta(lens, block_size, dev)
+    ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=dev)
+    positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+    hidden = model.forward(ids, positions, meta, [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_layers)])
+    rows = min(max_num_seqs, num_tokens)
+    logits = model.logits(hidden[-rows:])
+    logits.softmax(-1).sort(dim=-1, descending=True)[0].cumsum(-1)
+    synchronize(dev)
+    peak = memory_allocated(dev)[1]
+    del kv, hidden, logits
+    empty_cache(dev)
+    return max(0, peak - before - kv_bytes)
+
+
 class ModelRunner:
-    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, seed: int) -> None:
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, seed: int,
+                 max_model_len: int | None = None, max_num_seqs: int = 256) -> None:  # fmt: skip
         self.model = model
         self.block_size = block_size
         self.device = model.device
+        self.max_model_len = max_model_len or model.cos_sin.shape[0]
+        self.max_num_seqs = max_num_seqs
+        self.graphs: dict[int, tuple] = {}  # decode batch size -> (graph, hidden output, metadata)
         cfg = model.cfg
         self.kv = torch.zeros(
             cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
@@ -90,8 +159,92 @@ class ModelRunner:
         )
         return torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), meta
 
+    # ---- decode graphs ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture_decode_graphs(self) -> list[int]:
+        """Capture one graph of the model forward per decode batch size (largest first, one memory
+        pool). Inputs live in static buffers that a replay fills; padding rows store nothing
+        (slot -1) and attend to nothing (context 0)."""
+        dev = self.device
+        sizes = graph_batch_sizes(self.max_num_seqs)
+        n = sizes[-1]
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self.static = {
+            "ids": torch.zeros(n, dtype=torch.long, device=dev),
+            "positions": torch.zeros(n, dtype=torch.long, device=dev),
+            "slots": torch.full((n,), -1, dtype=torch.long, device=dev),
+            "seq_lens": torch.zeros(n, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros(n, max_blocks, dtype=torch.int32, device=dev),
+            "qsl": torch.arange(n + 1, dtype=torch.int32, device=dev),
+            "tile_seq": torch.arange(n, dtype=torch.int32, device=dev),
+            "tile_q": torch.zeros(n, dtype=torch.int32, device=dev),
+        }
+        pool = graph_pool(dev)
+        for b in reversed(sizes):
+            meta = self._graph_meta(b)
+            self._graph_forward(b, meta)  # warm-up: compiles the kernels of this shape
+            synchronize(dev)
+            graph = new_graph(dev)
+            with capture(graph, dev, pool):
+                hidden = self._graph_forward(b, meta)
+            self.graphs[b] = (graph, hidden)
+        synchronize(dev)
+        return sizes
+
+    def _graph_meta(self, b: int) -> AttentionMetadata:
+        st, cfg = self.static, self.model.cfg
+        meta = AttentionMetadata(query_start_loc=st["qsl"][: b + 1], seq_lens=st["seq_lens"][:b],
+                                 block_tables=st["block_tables"][:b], slot_mapping=st["slots"][:b])  # fmt: skip
+        if self.model.ops.prepare_attention is not None:  # a fixed plan: one decode token per tile
+            qsl = np.arange(b + 1)
+            meta.host = {"query_start_loc": qsl, "seq_lens": np.full(b, self.max_model_len)}
+            plan = self.model.ops.prepare_attention(meta, cfg.num_heads, cfg.num_kv_heads, self.device)
+            plan["tile_seq"], plan["tile_q"] = st["tile_seq"][:b], st["tile_q"][:b]
+        return meta
+
+    def _graph_forward(self, b: int, meta: AttentionMetadata) -> torch.Tensor:
+        st = self.static
+        return self.model.forward(st["ids"][:b], st["positions"][:b], meta, self.kv_caches)
+
+    def _replay(self, out: SchedulerOutput) -> torch.Tensor:
+        """Hidden states of a decode-only step through the smallest captured graph that fits it."""
+        seqs, st, bs = out.seqs, self.static, self.block_size
+        n = len(seqs)
+        b = next(s for s in sorted(self.graphs) if s >= n)
+        pos = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=n)
+        nblk = int(pos.max()) // bs + 1
+        tables = np.zeros((n, nblk), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            k = int(pos[i]) // bs + 1
+            tables[i, :k] = s.block_table[:k]
+        ids = np.fromiter((s.new_token_ids[0] for s in seqs), dtype=np.int64, count=n)
+        slots = np.full(b, -1, dtype=np.int64)
+        slots[:n] = tables[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
+        lens = np.zeros(b, dtype=np.int32)
+        lens[:n] = pos + 1
+        st["ids"][:n].copy_(torch.from_numpy(ids), non_blocking=True)
+        st["positions"][:n].copy_(torch.from_numpy(pos), non_blocking=True)
+        st["slots"][:b].copy_(torch.from_numpy(slots), non_blocking=True)
+        st["seq_lens"][:b].copy_(torch.from_numpy(lens), non_blocking=True)
+        st["block_tables"][:n, :nblk].copy_(torch.from_numpy(tables), non_blocking=True)
+        graph, hidden = self.graphs[b]
+        graph.replay()
+        return hidden[:n]
+
+    def _graphable(self, out: SchedulerOutput) -> bool:
+        seqs = out.seqs
+        return (
+            bool(self.graphs) and len(seqs) <= max(self.graphs)
+            and all(s.num_new_tokens == 1 and s.sample and s.request.prompt_logprobs is None for s in seqs)
+        )  # fmt: skip
+
+    # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
+        if self._graphable(out):
+            hidden = self._replay(out)
+            logits = self.model.logits(hidden)
+            return self._sample(out, logits, list(range(len(out.seqs))), {})
         ids, positions, meta = self._prepare(out)
         hidden = self.model.forward(ids, positions, meta, self.kv_caches)
         prompt_lps = self._prompt_logprobs(out, hidden, meta.host["query_start_loc"])
@@ -100,6 +253,9 @@ class ModelRunner:
             return StepResult({}, {}, prompt_lps)
         last = meta.host["query_start_loc"][1:][sampling] - 1
         logits = self.model.logits(hidden[torch.from_numpy(last).to(self.device)])
+        return self._sample(out, logits, sampling, prompt_lps)
+
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor, sampling: list[int], prompt_lps: dict) -> StepResult:
         reqs = [out.seqs[i].request for i in sampling]
         so = self.sampler(logits, reqs)
         tokens = so.tokens.tolist()  # the step's one host-device sync

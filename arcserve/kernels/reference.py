@@ -56,14 +56,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_cos_sin(cos_sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
-    """Per-token (cos, sin), each [T, 1, rot_dim // 2] in `dtype`; computed once per step."""
+    """The step's rotary context for rotary_embedding: per-token (cos, sin), each
+    [T, 1, rot_dim // 2] in `dtype`; computed once per step. (cos_sin: [max_pos, rot_dim], the
+    cos half then the sin half, float32.)"""
     cs = cos_sin[positions].to(dtype)
     half = cs.shape[-1] // 2
     return cs[:, None, :half], cs[:, None, half:]
 
 
-def rotary_embedding(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool = True) -> torch.Tensor:
-    """Rotate q and k heads together: qk is [T, heads, head_dim] (q heads then k heads)."""
+def rotary_embedding(qk: torch.Tensor, rope: tuple, neox: bool = True) -> torch.Tensor:
+    """Rotate q and k heads together: qk is [T, heads, head_dim] (q heads then k heads); rope is
+    rope_cos_sin's result. NeoX layout rotates the two halves, GPT-J interleaved pairs. With a
+    rotary dim below head_dim, the remaining features pass through."""
+    cos, sin = rope
+    rot = 2 * cos.shape[-1]
+    if rot < qk.shape[-1]:
+        return torch.cat((rotary_embedding(qk[..., :rot], rope, neox), qk[..., rot:]), dim=-1)
     if neox:
         x1, x2 = qk.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -70,7 +70,7 @@ class DecoderModel:
         h, d, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
         x = F.embedding(input_ids, self.embed)
         residual = None
-        cos, sin = ops.rope_cos_sin(self.cos_sin, positions, self.dtype)
+        rope = ops.rope_cos_sin(self.cos_sin, positions, self.dtype)
         nq, nkv = h, cfg.num_kv_heads
         for i, (lw, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x, residual = ops.fused_add_rms_norm(x, residual, lw.input_norm, eps)
@@ -78,7 +78,7 @@ class DecoderModel:
             qk, v = qkv[:, : nq + nkv], qkv[:, nq + nkv :]
             if lw.q_norm is not None:
                 qk = torch.cat((ops.rms_norm(qk[:, :nq], lw.q_norm, eps), ops.rms_norm(qk[:, nq:], lw.k_norm, eps)), 1)
-            qk = ops.rotary_embedding(qk, cos, sin)  # q and k heads rotated together
+            qk = ops.rotary_embedding(qk, rope)  # q and k heads rotated together
             q, k = qk[:, :nq], qk[:, nq:]
             ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = ops.paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, cfg.sliding_window, i)

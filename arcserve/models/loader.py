@@ -60,6 +60,52 @@ class _Weights:
         return self.get(name) if self.has(name) else None
 
 
+class _DummyWeights:
+    """Random weights of the checkpoint's shapes, from config.json alone (load_format="dummy", as
+    vLLM's): matrices uniform in [-1e-3, 1e-3], norm scales 1. For benchmarks; seeded."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int) -> None:
+        self.dtype, self.device = dtype, device
+        self.gen = torch.Generator(device=device)
+        self.gen.manual_seed(seed)
+        h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.shapes: dict[str, tuple] = {"embed_tokens.weight": (cfg.vocab_size, h), "norm.weight": (h,)}
+        if not cfg.tie_word_embeddings:
+            self.shapes["lm_head.weight"] = (cfg.vocab_size, h)
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            self.shapes.update({
+                p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                a + "q_proj.weight": (q, h), a + "k_proj.weight": (kv, h), a + "v_proj.weight": (kv, h),
+                a + "o_proj.weight": (h, q), m + "gate_proj.weight": (inter, h), m + "up_proj.weight": (inter, h),
+                m + "down_proj.weight": (h, inter),
+            })  # fmt: skip
+            if cfg.qkv_bias:
+                self.shapes.update({a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)})
+            if cfg.o_bias:
+                self.shapes[a + "o_proj.bias"] = (h,)
+            if cfg.mlp_bias:
+                self.shapes.update({m + "gate_proj.bias": (inter,), m + "up_proj.bias": (inter,),
+                                    m + "down_proj.bias": (h,)})  # fmt: skip
+            if cfg.family.qk_norm:
+                self.shapes.update({a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)})
+
+    def has(self, name: str) -> bool:
+        return name in self.shapes
+
+    def get(self, name: str) -> torch.Tensor:
+        shape = self.shapes[name]
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=self.dtype, device=self.device)
+        t = torch.empty(shape, dtype=torch.float32, device=self.device).uniform_(-1e-3, 1e-3, generator=self.gen)
+        return t.to(self.dtype)
+
+    def opt(self, name: str) -> torch.Tensor | None:
+        return self.get(name) if self.has(name) else None
+
+
 def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     if all(p is None for p in parts):
         return None
@@ -73,8 +119,13 @@ def load_model(
     device: torch.device,
     ops: SimpleNamespace,
     max_positions: int,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> DecoderModel:
-    w = _Weights(weight_files(cfg.model_dir), dtype, device)
+    if load_format == "dummy":
+        w = _DummyWeights(cfg, dtype, device, seed)
+    else:
+        w = _Weights(weight_files(cfg.model_dir), dtype, device)
     layers = []
     for i in range(cfg.num_layers):
         p = f"layers.{i}."

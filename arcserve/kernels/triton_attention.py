@@ -1,0 +1,242 @@
+"""Paged attention in Triton for the mixed batch: prefill chunks (attending to cached prefix blocks
+and to themselves, causally) and decode tokens, in one launch. Twin: reference.paged_attention.
+
+One program handles a tile of one sequence's new tokens times the query heads that share one KV
+head (GQA), so each K/V tile read from the cache serves every head of the group. The rows of a
+tile are (token, head-in-group) pairs: BLOCK_Q tokens x G_PAD heads, at least 16 rows so `tl.dot`
+keeps tiles of 16 or more in every dimension (what Intel XPU needs too).
+
+Long contexts with few tiles (a single long decode) would leave most of the GPU idle, so the KV
+range of each tile can be split across NUM_SPLITS programs (flash-decoding); each writes a partial
+output with its log-sum-exp, and a second kernel merges them.
+
+Tiles are described by two int32 arrays built on the host per step (or once per captured decode
+graph): tile_seq (which sequence) and tile_q (first new-token index of the tile in that sequence).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from arcserve.kernels.reference import AttentionMetadata
+from arcserve.platform import compute_units, triton_interpreting, triton_launch_options
+
+
+@triton.jit
+def _attn_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, lse_ptr,
+    block_tables_ptr, seq_lens_ptr, qsl_ptr, tile_seq_ptr, tile_q_ptr,
+    scale, window,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_bt,
+    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    b = tl.load(tile_seq_ptr + tile)
+    q0 = tl.load(tile_q_ptr + tile)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    ctx = tl.load(seq_lens_ptr + b)
+    prefix = ctx - q_len  # tokens in the cache before this step's new ones
+
+    M: tl.constexpr = BLOCK_Q * G_PAD
+    rows = tl.arange(0, M)
+    tok = q0 + rows // G_PAD  # index among the sequence's new tokens
+    head = kvh * G + rows % G_PAD
+    row_ok = (tok < q_len) & (rows % G_PAD < G)
+    qpos = prefix + tok  # absolute position of each row's token
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD_DIM
+
+    q = tl.load(
+        q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )  # fmt: skip
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    # KV positions this tile needs: up to its last token (causal), from the window's start.
+    last = tl.minimum(prefix + q0 + BLOCK_Q, ctx)
+    first = 0
+    if USE_WINDOW:
+        first = tl.maximum(prefix + q0 - window + 1, 0)
+        first = (first // BLOCK_N) * BLOCK_N
+    span = tl.cdiv(tl.maximum(last - first, 0), NUM_SPLITS * BLOCK_N) * BLOCK_N
+    lo = first + split * span
+    hi = tl.minimum(lo + span, last)
+
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, HEAD_PAD], tl.float32)
+    n_off = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        kpos = start + n_off
+        k_ok = kpos < hi
+        blk = tl.load(block_tables_ptr + b * stride_bt + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        slot = kpos % BLOCK_SIZE
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(
+            k_cache_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+            mask=kv_mask, other=0.0,
+        )  # fmt: skip
+        v = tl.load(
+            v_cache_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+            mask=kv_mask, other=0.0,
+        )  # fmt: skip
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if DOT_F32:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        ok = k_ok[None, :] & (kpos[None, :] <= qpos[:, None])
+        if USE_WINDOW:
+            ok = ok & (kpos[None, :] > qpos[:, None] - window)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows with nothing visible yet keep m = -inf: shift by 0 there so exp() gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if DOT_F32:
+            acc += tl.dot(p, v, input_precision="ieee")
+        else:
+            acc += tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out_rows = q_start + tok
+    o_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + out_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=o_mask)  # fmt: skip
+    else:  # partial output and log-sum-exp, [T, H, NUM_SPLITS, (HEAD_PAD)]
+        H = tl.num_programs(1) * G
+        base = (out_rows[:, None] * H + head[:, None]) * NUM_SPLITS + split
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(part_ptr + base * HEAD_PAD + d[None, :], o, mask=o_mask)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
+        tl.store(lse_ptr + (out_rows * H + head) * NUM_SPLITS + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, lse_ptr, out_ptr, stride_ot, stride_oh, H,
+                  NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, HEAD_PAD)
+    base = (t * H + h) * NUM_SPLITS
+    lse = tl.load(lse_ptr + base + s)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m)
+    w = w / tl.maximum(tl.sum(w, 0), 1e-30)
+    part = tl.load(part_ptr + (base + s)[:, None] * HEAD_PAD + d[None, :])
+    o = tl.sum(part * w[:, None], 0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def tile_shape(num_heads: int, num_kv_heads: int, decode_only: bool) -> tuple[int, int]:
+    """(BLOCK_Q tokens per tile, G_PAD heads per token): at least 16 rows; one token per tile for
+    decode-only steps, 64 rows for mixed ones."""
+    g_pad = _next_pow2(num_heads // num_kv_heads)
+    rows = 16 if decode_only else 64
+    return max(1, rows // g_pad), g_pad
+
+
+def plan_tiles(qsl: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host-side tile list for a step: (tile_seq, tile_q) int32 arrays."""
+    q_lens = qsl[1:] - qsl[:-1]
+    n = -(-q_lens // block_q)
+    seq = np.repeat(np.arange(len(q_lens), dtype=np.int32), n)
+    first = np.repeat(np.cumsum(n) - n, n)
+    q0 = ((np.arange(len(seq)) - first) * block_q).astype(np.int32)
+    return seq, q0
+
+
+def num_splits_for(num_tiles: int, num_kv_heads: int, max_ctx: int, sm_count: int) -> int:
+    """Split the KV range when the tiles alone would not fill the device (about two programs per
+    compute unit) and each split still gets at least 256 positions."""
+    if triton_interpreting():
+        return 1  # programs are costly there; the merge path has its own test
+    programs = num_tiles * num_kv_heads
+    if programs >= 2 * sm_count or max_ctx < 512:
+        return 1
+    want = -(-2 * sm_count // programs)
+    return int(min(_next_pow2(want), 16, _next_pow2(max(1, max_ctx // 256))))
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float, sliding_window: int | None = None, layer: int = 0,
+) -> torch.Tensor:  # fmt: skip
+    """Same contract as reference.paged_attention (the cache already holds this step's K/V).
+    meta.cache["triton"] holds the step's tiles (set once per step by `prepare`)."""
+    plan = meta.cache.get("triton") or prepare(meta, q.shape[1], k_cache.shape[2], q.device)
+    T, H, D = q.shape
+    kvh = k_cache.shape[2]
+    out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+    splits, head_pad = plan["splits"], _next_pow2(D)
+    if splits > 1:
+        part = torch.empty(T, H, splits, head_pad, dtype=torch.float32, device=q.device)
+        lse = torch.full((T, H, splits), float("-inf"), dtype=torch.float32, device=q.device)
+    else:
+        part = lse = out
+    grid = (plan["num_tiles"], kvh, splits)
+    _attn_kernel[grid](
+        q, k_cache, v_cache, out, part, lse,
+        meta.block_tables, meta.seq_lens, meta.query_start_loc, plan["tile_seq"], plan["tile_q"],
+        scale, sliding_window or 0,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        meta.block_tables.stride(0),
+        G=H // kvh, G_PAD=plan["g_pad"], BLOCK_Q=plan["block_q"], HEAD_DIM=D, HEAD_PAD=head_pad,
+        BLOCK_N=plan["block_n"], BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=splits,
+        USE_WINDOW=sliding_window is not None, DOT_F32=q.dtype == torch.float32 or triton_interpreting(),
+        **triton_launch_options(),
+    )  # fmt: skip
+    if splits > 1:
+        _merge_kernel[(T, H)](part, lse, out, out.stride(0), out.stride(1), H,
+                              NUM_SPLITS=splits, HEAD_DIM=D, HEAD_PAD=head_pad)  # fmt: skip
+    return out
+
+
+def prepare(meta: AttentionMetadata, num_heads: int, num_kv_heads: int, device: torch.device) -> dict:
+    """Tiles for a step from the host copy of query_start_loc; cached in meta for every layer."""
+    qsl, seq_lens = meta.host["query_start_loc"], meta.host["seq_lens"]
+    decode_only = bool(((qsl[1:] - qsl[:-1]) <= 1).all())
+    block_q, g_pad = tile_shape(num_heads, num_kv_heads, decode_only)
+    seq, q0 = plan_tiles(qsl, block_q)
+    plan = {
+        "tile_seq": torch.from_numpy(seq).to(device),
+        "tile_q": torch.from_numpy(q0).to(device),
+        "num_tiles": len(seq),
+        "block_q": block_q,
+        "g_pad": g_pad,
+        "block_n": 128 if triton_interpreting() else 64,  # fewer loop trips where each op is costly
+        "splits": num_splits_for(len(seq), num_kv_heads, int(seq_lens.max()) if len(seq_lens) else 0,
+                                  compute_units(device)),
+    }
+    meta.cache["triton"] = plan
+    return plan

@@ -1,0 +1,194 @@
+"""Every Triton kernel against its pure-PyTorch twin (reference.py) on fresh random inputs.
+
+On a GPU machine these run on the GPU (bf16 and fp16 included); in CI they run on the CPU in
+Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), on small shapes.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICE
+
+from arcserve.kernels import reference, triton_attention, triton_ops
+from arcserve.kernels.reference import AttentionMetadata
+from arcserve.models.config import _llama3_inv_freq
+
+GPU = DEVICE.type != "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16] if GPU else [torch.float32, torch.bfloat16]
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all()
+    return float((a - b).norm() / b.norm().clamp(min=1e-12))
+
+
+def rand(*shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, device=DEVICE) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 96), (33, 576)])
+def test_rms_norm_and_fused_add(dtype, rows, hidden):
+    x, res, w = rand(rows, hidden, dtype=dtype), rand(rows, hidden, dtype=dtype), rand(hidden, dtype=dtype)
+    assert rel_err(triton_ops.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6)) < TOL[dtype]
+    out, new_res = triton_ops.fused_add_rms_norm(x, res, w, 1e-5)
+    ref_out, ref_res = reference.fused_add_rms_norm(x, res, w, 1e-5)
+    # the same sum in the model dtype (to one rounding: the interpreter truncates to bf16)
+    assert rel_err(new_res, ref_res) < TOL[dtype] / 4
+    assert rel_err(out, ref_out) < TOL[dtype]
+    out, same = triton_ops.fused_add_rms_norm(x, None, w, 1e-5)
+    assert same is x and rel_err(out, reference.rms_norm(x, w, 1e-5)) < TOL[dtype]
+
+
+def test_rms_norm_per_head_on_a_strided_view():
+    """Qwen3's q/k norm: normalise each head of a [T, heads, head_dim] slice of the qkv output."""
+    qkv = rand(5, 7, 32)
+    w = rand(32)
+    view = qkv[:, :4]
+    assert rel_err(triton_ops.rms_norm(view, w, 1e-6), reference.rms_norm(view, w, 1e-6)) < TOL[torch.float32]
+
+
+def _table(head_dim: int, max_pos: int, llama3: bool, rot: int | None = None) -> torch.Tensor:
+    dim = rot or head_dim
+    inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2).float() / dim))
+    if llama3:
+        inv = _llama3_inv_freq(inv, {"factor": 8.0, "original_max_position_embeddings": 64})
+    f = torch.outer(torch.arange(max_pos).float(), inv)
+    return torch.cat((f.cos(), f.sin()), -1).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("heads,head_dim,rot,llama3", [(7, 64, None, False), (5, 128, None, True), (3, 64, 32, False)])
+def test_rotary_embedding(dtype, neox, heads, head_dim, rot, llama3):
+    T = 9
+    table = _table(head_dim, 300, llama3, rot)
+    positions = torch.tensor(random.Random(heads).sample(range(300), T), device=DEVICE)
+    # q and k heads as a strided slice of a wider qkv row, as the decoder passes them
+    qkv = rand(T, heads + 2, head_dim, dtype=dtype)
+    qk = qkv[:, :heads]
+    want = reference.rotary_embedding(qk.clone(), reference.rope_cos_sin(table, positions, dtype), neox)
+    got = triton_ops.rotary_embedding(qk, triton_ops.rope_cos_sin(table, positions, dtype), neox)
+    assert got.data_ptr() == qk.data_ptr()  # in place
+    assert rel_err(got, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 128), (6, 1536), (3, 100)])
+def test_silu_and_mul(dtype, rows, inter):
+    x = rand(rows, 2 * inter, dtype=dtype)
+    assert rel_err(triton_ops.silu_and_mul(x), reference.silu_and_mul(x)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("kvh,head_dim", [(1, 64), (3, 64), (2, 128)])
+def test_store_kv_from_strided_views_skips_padding(kvh, head_dim):
+    T, nb, bs = 11, 6, 16
+    qkv = rand(T, 4 + 2 * kvh, head_dim)
+    k, v = qkv[:, 4 : 4 + kvh], qkv[:, 4 + kvh :]
+    slots = torch.randperm(nb * bs, device=DEVICE)[:T]
+    slots[3] = -1  # a padding token
+    kc, vc = rand(nb, bs, kvh, head_dim), rand(nb, bs, kvh, head_dim)
+    kc2, vc2 = kc.clone(), vc.clone()
+    triton_ops.store_kv(k, v, kc, vc, slots)
+    keep = slots >= 0
+    reference.store_kv(k[keep], v[keep], kc2, vc2, slots[keep])
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+# ---- paged attention -------------------------------------------------------------------------
+def make_step(rng: random.Random, seqs: list[tuple[int, int]], heads: int, kvh: int, head_dim: int, bs: int,
+              dtype) -> tuple:  # fmt: skip
+    """seqs: (cached tokens before the step, new tokens this step). A random paged cache, random
+    block tables, this step's K/V already stored at its slots (as the decoder does)."""
+    nblk = [-(-(c + n) // bs) for c, n in seqs]
+    num_blocks = sum(nblk) + 3
+    perm = rng.sample(range(num_blocks), sum(nblk))
+    tables = np.zeros((len(seqs), max(nblk)), dtype=np.int64)
+    at = 0
+    for i, n in enumerate(nblk):
+        tables[i, :n] = perm[at : at + n]
+        at += n
+    kc = rand(num_blocks, bs, kvh, head_dim, dtype=dtype)
+    vc = rand(num_blocks, bs, kvh, head_dim, dtype=dtype)
+    q_lens = np.array([n for _, n in seqs])
+    seq_lens = np.array([c + n for c, n in seqs])
+    qsl = np.concatenate([[0], np.cumsum(q_lens)])
+    T = int(qsl[-1])
+    pos = np.concatenate([np.arange(c, c + n) for c, n in seqs])
+    seq_of = np.repeat(np.arange(len(seqs)), q_lens)
+    slots = torch.from_numpy(tables[seq_of, pos // bs] * bs + pos % bs).to(DEVICE)
+    k = kc.view(-1, kvh, head_dim)[slots]
+    v = vc.view(-1, kvh, head_dim)[slots]
+    q = rand(T, heads, head_dim, dtype=dtype)
+    meta = AttentionMetadata(
+        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(DEVICE),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(DEVICE),
+        block_tables=torch.from_numpy(tables.astype(np.int32)).to(DEVICE),
+        slot_mapping=slots,
+        host={"query_start_loc": qsl, "seq_lens": seq_lens},
+    )
+    return q, k, v, kc, vc, meta
+
+
+def fresh(meta: AttentionMetadata) -> AttentionMetadata:
+    return AttentionMetadata(meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.slot_mapping,
+                             host=dict(meta.host))  # fmt: skip
+
+
+# (cached, new) per sequence: decodes, prefill chunks over cached prefixes, fresh prompts; lengths
+# that end exactly on and just past 16-token blocks.
+BATCHES = {
+    "decode": [(15, 1), (16, 1), (40, 1), (1, 1), (70, 1)],
+    "mixed": [(31, 1), (0, 16), (16, 17), (5, 1), (32, 9), (0, 3)],
+    "prefill": [(0, 33), (48, 16), (17, 20)],
+    "long_decode": [(200, 1)],
+}
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("heads,kvh,head_dim", [(4, 2, 64), (6, 2, 64), (3, 3, 32), (8, 1, 128)])
+@pytest.mark.parametrize("window", [None, 24])
+def test_paged_attention_matches_twin(batch, heads, kvh, head_dim, window):
+    rng = random.Random(hash((batch, heads, kvh, window)) & 0xFFFF)
+    q, k, v, kc, vc, meta = make_step(rng, BATCHES[batch], heads, kvh, head_dim, 16, torch.float32)
+    scale = head_dim**-0.5
+    want = reference.paged_attention(q, k, v, kc, vc, fresh(meta), scale, window)
+    got = triton_attention.paged_attention(q, k, v, kc, vc, fresh(meta), scale, window)
+    assert rel_err(got, want) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
+@pytest.mark.parametrize("bs", [16, 32] + ([64, 128] if GPU else []))
+def test_paged_attention_half_precision_and_block_sizes(dtype, bs):
+    rng = random.Random(bs)
+    seqs = [(bs - 1, 1), (2 * bs, 1), (0, bs + 1), (bs, 5), (3 * bs + 7, 1)]
+    q, k, v, kc, vc, meta = make_step(rng, seqs, 8, 2, 64, bs, dtype)
+    want = reference.paged_attention(q.float(), k.float(), v.float(), kc.float(), vc.float(), fresh(meta), 0.125)
+    got = triton_attention.paged_attention(q, k, v, kc, vc, fresh(meta), 0.125)
+    assert got.dtype == dtype and rel_err(got, want) < TOL[dtype]
+
+
+def test_split_kv_merge_equals_one_pass():
+    """The flash-decoding split (partials + merge) gives what one program over the whole range gives."""
+    rng = random.Random(7)
+    q, k, v, kc, vc, meta = make_step(rng, [(300, 1), (90, 1)], 4, 2, 64, 16, torch.float32)
+    one = fresh(meta)
+    triton_attention.prepare(one, 4, 2, DEVICE)["splits"] = 1
+    split = fresh(meta)
+    triton_attention.prepare(split, 4, 2, DEVICE)["splits"] = 4
+    a = triton_attention.paged_attention(q, k, v, kc, vc, one, 0.125)
+    b = triton_attention.paged_attention(q, k, v, kc, vc, split, 0.125)
+    assert rel_err(b, a) < 1e-5
+
+
+def test_plan_tiles_cover_every_token_once():
+    qsl = np.array([0, 1, 18, 19, 52])
+    seq, q0 = triton_attention.plan_tiles(qsl, 8)
+    covered = sorted((int(s), int(t)) for s, a in zip(seq, q0) for t in range(a, min(a + 8, qsl[s + 1] - qsl[s])))
+    assert covered == [(s, t) for s in range(4) for t in range(int(qsl[s + 1] - qsl[s]))]
