@@ -54,9 +54,9 @@ class LLMEngine(InputProcessor):
         if (self.device.type != "cpu" and not args.enforce_eager and graphs_supported(self.device)
                 and ops.prepare_attention is not None):  # fmt: skip
             t0 = time.time()
-            sizes = self.runner.capture_decode_graphs()
-            logger.info("Captured decode graphs for %d batch sizes (1 to %d) in %.1f s", len(sizes), max(sizes),
-                        time.time() - t0)  # fmt: skip
+            n = self.runner.capture_graphs(self.max_num_batched_tokens)
+            logger.info("Captured %d step graphs (decode batches up to %d, mixed steps up to %d tokens) in %.1f s",
+                        n, args.max_num_seqs, self.max_num_batched_tokens, time.time() - t0)  # fmt: skip
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, make_policy(args.scheduling_policy), args.max_num_seqs,

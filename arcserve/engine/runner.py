@@ -16,16 +16,14 @@ import torch
 
 from arcserve.engine.sampler import Sampler
 from arcserve.engine.scheduler import SchedulerOutput
+from arcserve.engine.step_graphs import StepGraphs
 from arcserve.kernels.reference import AttentionMetadata
 from arcserve.models.decoder import DecoderModel
 from arcserve.outputs import Logprob
 from arcserve.platform import (
-    capture,
     empty_cache,
-    graph_pool,
     memory_allocated,
     memory_info,
-    new_graph,
     reset_peak_memory,
     synchronize,
 )
@@ -42,12 +40,6 @@ def kv_cache_bytes_per_block(model: DecoderModel, block_size: int) -> int:
     cfg = model.cfg
     elem = torch.empty((), dtype=model.dtype).element_size()
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
-
-
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """Decode batch sizes that get a captured graph: 1, 2, 4, 8, then steps of 8 up to max_num_seqs."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 8))
-    return sorted(set(sizes + [max_num_seqs]))
 
 
 def _prefill_meta(lens: list[int], block_size: int, device: torch.device) -> AttentionMetadata:
@@ -108,7 +100,7 @@ class ModelRunner:
         self.device = model.device
         self.max_model_len = max_model_len or model.cos_sin.shape[0]
         self.max_num_seqs = max_num_seqs
-        self.graphs: dict[int, tuple] = {}  # decode batch size -> (graph, hidden output, metadata)
+        self.graphs: StepGraphs | None = None
         cfg = model.cfg
         self.kv = torch.zeros(
             cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
@@ -124,7 +116,9 @@ class ModelRunner:
                 cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, self.device, budget
             )
 
-    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _host_inputs(self, out: SchedulerOutput) -> dict:
+        """The step's flattened batch as numpy arrays: token ids, positions, query start offsets,
+        context lengths, block tables and the cache slot of every token."""
         seqs = out.seqs
         bs = self.block_size
         starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=len(seqs))
@@ -144,114 +138,51 @@ class ModelRunner:
             nb = -(-int(seq_lens[i]) // bs)
             tables[i, :nb] = s.block_table[:nb]
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+        seq_ids = np.fromiter((s.request.seq_no for s in seqs), dtype=np.int64, count=len(seqs))
+        return {"ids": ids, "positions": positions, "q_lens": q_lens, "qsl": qsl, "seq_lens": seq_lens,
+                "tables": tables, "slots": slots, "seq_ids": seq_ids}  # fmt: skip
+
+    def _prepare(self, h: dict) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         dev = self.device
         meta = AttentionMetadata(
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(tables.astype(np.int32)).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(h["qsl"].astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(h["seq_lens"].astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(h["tables"].astype(np.int32)).to(dev),
+            slot_mapping=torch.from_numpy(h["slots"]).to(dev),
             host={
-                "query_start_loc": qsl,
-                "seq_lens": seq_lens,
-                "seq_ids": np.fromiter((s.request.seq_no for s in seqs), dtype=np.int64, count=len(seqs)),
+                "query_start_loc": h["qsl"],
+                "seq_lens": h["seq_lens"],
+                "seq_ids": h["seq_ids"],
                 "decode_mirror": self.decode_mirror,
             },
         )
-        return torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), meta
+        return torch.from_numpy(h["ids"]).to(dev), torch.from_numpy(h["positions"]).to(dev), meta
 
-    # ---- decode graphs ----------------------------------------------------------------------
-    @torch.inference_mode()
-    def capture_decode_graphs(self) -> list[int]:
-        """Capture one graph of the model forward per decode batch size (largest first, one memory
-        pool). Inputs live in static buffers that a replay fills; padding rows store nothing
-        (slot -1) and attend to nothing (context 0)."""
-        dev = self.device
-        sizes = graph_batch_sizes(self.max_num_seqs)
-        n = sizes[-1]
-        max_blocks = -(-self.max_model_len // self.block_size)
-        self.static = {
-            "ids": torch.zeros(n, dtype=torch.long, device=dev),
-            "positions": torch.zeros(n, dtype=torch.long, device=dev),
-            "slots": torch.full((n,), -1, dtype=torch.long, device=dev),
-            "seq_lens": torch.zeros(n, dtype=torch.int32, device=dev),
-            "block_tables": torch.zeros(n, max_blocks, dtype=torch.int32, device=dev),
-            "qsl": torch.arange(n + 1, dtype=torch.int32, device=dev),
-            "tile_seq": torch.arange(n, dtype=torch.int32, device=dev),
-            "tile_q": torch.zeros(n, dtype=torch.int32, device=dev),
-        }
-        pool = graph_pool(dev)
-        for b in reversed(sizes):
-            meta = self._graph_meta(b)
-            self._graph_forward(b, meta)  # warm-up: compiles the kernels of this shape
-            synchronize(dev)
-            graph = new_graph(dev)
-            with capture(graph, dev, pool):
-                hidden = self._graph_forward(b, meta)
-            self.graphs[b] = (graph, hidden)
-        synchronize(dev)
-        return sizes
-
-    def _graph_meta(self, b: int) -> AttentionMetadata:
-        st, cfg = self.static, self.model.cfg
-        meta = AttentionMetadata(query_start_loc=st["qsl"][: b + 1], seq_lens=st["seq_lens"][:b],
-                                 block_tables=st["block_tables"][:b], slot_mapping=st["slots"][:b])  # fmt: skip
-        if self.model.ops.prepare_attention is not None:  # a fixed plan: one decode token per tile
-            qsl = np.arange(b + 1)
-            meta.host = {"query_start_loc": qsl, "seq_lens": np.full(b, self.max_model_len)}
-            plan = self.model.ops.prepare_attention(meta, cfg.num_heads, cfg.num_kv_heads, self.device)
-            plan["tile_seq"], plan["tile_q"] = st["tile_seq"][:b], st["tile_q"][:b]
-        return meta
-
-    def _graph_forward(self, b: int, meta: AttentionMetadata) -> torch.Tensor:
-        st = self.static
-        return self.model.forward(st["ids"][:b], st["positions"][:b], meta, self.kv_caches)
-
-    def _replay(self, out: SchedulerOutput) -> torch.Tensor:
-        """Hidden states of a decode-only step through the smallest captured graph that fits it."""
-        seqs, st, bs = out.seqs, self.static, self.block_size
-        n = len(seqs)
-        b = next(s for s in sorted(self.graphs) if s >= n)
-        pos = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=n)
-        nblk = int(pos.max()) // bs + 1
-        tables = np.zeros((n, nblk), dtype=np.int32)
-        for i, s in enumerate(seqs):
-            k = int(pos[i]) // bs + 1
-            tables[i, :k] = s.block_table[:k]
-        ids = np.fromiter((s.new_token_ids[0] for s in seqs), dtype=np.int64, count=n)
-        slots = np.full(b, -1, dtype=np.int64)
-        slots[:n] = tables[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
-        lens = np.zeros(b, dtype=np.int32)
-        lens[:n] = pos + 1
-        st["ids"][:n].copy_(torch.from_numpy(ids), non_blocking=True)
-        st["positions"][:n].copy_(torch.from_numpy(pos), non_blocking=True)
-        st["slots"][:b].copy_(torch.from_numpy(slots), non_blocking=True)
-        st["seq_lens"][:b].copy_(torch.from_numpy(lens), non_blocking=True)
-        st["block_tables"][:n, :nblk].copy_(torch.from_numpy(tables), non_blocking=True)
-        graph, hidden = self.graphs[b]
-        graph.replay()
-        return hidden[:n]
-
-    def _graphable(self, out: SchedulerOutput) -> bool:
-        seqs = out.seqs
-        return (
-            bool(self.graphs) and len(seqs) <= max(self.graphs)
-            and all(s.num_new_tokens == 1 and s.sample and s.request.prompt_logprobs is None for s in seqs)
-        )  # fmt: skip
+    # ---- graphs ---------------------------------------------------------------------------
+    def capture_graphs(self, max_num_batched_tokens: int) -> int:
+        """Capture decode and mixed-step graphs (step_graphs.py); returns how many."""
+        self.graphs = StepGraphs(self.model, self.kv_caches, self.block_size, self.max_model_len,
+                                 self.max_num_seqs, max_num_batched_tokens)  # fmt: skip
+        return self.graphs.capture()
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        if self._graphable(out):
-            hidden = self._replay(out)
-            logits = self.model.logits(hidden)
-            return self._sample(out, logits, list(range(len(out.seqs))), {})
-        ids, positions, meta = self._prepare(out)
-        hidden = self.model.forward(ids, positions, meta, self.kv_caches)
-        prompt_lps = self._prompt_logprobs(out, hidden, meta.host["query_start_loc"])
+        h = self._host_inputs(out)
+        key = None
+        if self.graphs is not None and not any(s.request.prompt_logprobs is not None for s in out.seqs):
+            key = self.graphs.pick(h["q_lens"])
+        if key is not None:
+            hidden = self.graphs.run(key, h)
+            prompt_lps = {}
+        else:
+            ids, positions, meta = self._prepare(h)
+            hidden = self.model.forward(ids, positions, meta, self.kv_caches)
+            prompt_lps = self._prompt_logprobs(out, hidden, h["qsl"])
         sampling = [i for i, s in enumerate(out.seqs) if s.sample]
         if not sampling:
             return StepResult({}, {}, prompt_lps)
-        last = meta.host["query_start_loc"][1:][sampling] - 1
+        last = h["qsl"][1:][sampling] - 1
         logits = self.model.logits(hidden[torch.from_numpy(last).to(self.device)])
         return self._sample(out, logits, sampling, prompt_lps)
 

@@ -10,8 +10,9 @@ Long contexts with few tiles (a single long decode) would leave most of the GPU 
 range of each tile can be split across NUM_SPLITS programs (flash-decoding); each writes a partial
 output with its log-sum-exp, and a second kernel merges them.
 
-Tiles are described by two int32 arrays built on the host per step (or once per captured decode
-graph): tile_seq (which sequence) and tile_q (first new-token index of the tile in that sequence).
+Tiles are described by two int32 arrays built on the host per step: tile_seq (which sequence; -1
+for the padding tiles of a captured graph, which do nothing) and tile_q (first new-token index of
+the tile in that sequence).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def _attn_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     b = tl.load(tile_seq_ptr + tile)
+    if b < 0:  # a padding tile of a captured graph
+        return
     q0 = tl.load(tile_q_ptr + tile)
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start

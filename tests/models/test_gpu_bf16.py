@@ -1,4 +1,4 @@
-"""On the GPU: bf16 runs (Triton kernels, decode graphs) agree with transformers in bf16 on most
+"""On the GPU: bf16 runs (Triton kernels, step graphs) agree with transformers in bf16 on most
 positions. bf16 rounding differs between any two implementations, so greedy paths may part after a
 near tie; the agreement rate (positions before the first divergence over all positions) is printed."""
 
@@ -26,7 +26,7 @@ def test_bf16_agrees_with_transformers_bf16(tiny_dirs, arch):
         g = hf.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
         want.append(g[0, len(p) :].tolist())
     llm = LLM(str(tiny_dirs[arch]), dtype="bfloat16")
-    assert llm.llm_engine.runner.graphs  # decode steps replay graphs
+    assert llm.llm_engine.runner.graphs is not None  # steps replay captured graphs
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=new, ignore_eos=True), use_tqdm=False)  # fmt: skip
     agree = 0

@@ -1,0 +1,152 @@
+"""Captured graphs of the model forward, so a step costs one replay instead of hundreds of kernel
+launches from Python (a Triton launch costs ~65 us of host time; a decode step of a 28-layer model
+issues ~400 of them: 24 ms eager against 1.7 ms replayed, benchmarks in docs/BENCHMARKS.md).
+
+Two kinds, both over one set of static input buffers that each replay fills from the step's host
+arrays (padding rows store nothing: slot -1; padding attention tiles do nothing: sequence -1):
+- decode graphs for batch sizes 1, 2, 4, 8, 16, 24, ... max_num_seqs (one token per sequence,
+  one tile per sequence, KV split across programs for small batches);
+- mixed graphs for token counts 256, 512, 1024, ... max_num_batched_tokens (prefill chunks with
+  decodes), whose attention grid is the bound on tiles for that many tokens and sequences.
+
+Graphs need attention that plans on the device (the Triton kernels); the torch twins plan on the
+host and run eagerly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from arcserve.kernels.reference import AttentionMetadata
+from arcserve.platform import capture, compute_units, graph_pool, new_graph, synchronize
+
+
+def decode_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 up to max_num_seqs."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 8))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+def mixed_sizes(max_tokens: int) -> list[int]:
+    """Token buckets for mixed steps: powers of two from 256 up to max_num_batched_tokens."""
+    sizes, t = [], 256
+    while t < max_tokens:
+        sizes.append(t)
+        t *= 2
+    return sizes + [max_tokens]
+
+
+class StepGraphs:
+    def __init__(self, model, kv_caches, block_size: int, max_model_len: int, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:  # fmt: skip
+        from arcserve.kernels import triton_attention as ta
+
+        self.model, self.kv_caches, self.bs = model, kv_caches, block_size
+        self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
+        cfg, dev = model.cfg, model.device
+        self.device = dev
+        self.decode = decode_sizes(max_num_seqs)
+        self.mixed = mixed_sizes(max(max_num_batched_tokens, 256))
+        self.mixed_bq, self.g_pad = ta.tile_shape(cfg.num_heads, cfg.num_kv_heads, decode_only=False)
+        self.splits_of = lambda tiles: ta.num_splits_for(tiles, cfg.num_kv_heads, max_model_len, compute_units(dev))
+        T = max(self.mixed[-1], self.decode[-1])
+        S = max_num_seqs
+        tiles = max(self.decode[-1], self._max_tiles(self.mixed[-1]))
+        max_blocks = -(-max_model_len // block_size)
+
+        def buf(n, dtype, fill=0):
+            return torch.full(n if isinstance(n, tuple) else (n,), fill, dtype=dtype, device=dev)
+
+        self.st = {
+            "ids": buf(T, torch.long), "positions": buf(T, torch.long), "slots": buf(T, torch.long, -1),
+            "qsl": buf(S + 1, torch.int32), "seq_lens": buf(S, torch.int32),
+            "block_tables": buf((S, max_blocks), torch.int32),
+            "tile_seq": buf(tiles, torch.int32, -1), "tile_q": buf(tiles, torch.int32),
+        }  # fmt: skip
+        self.graphs: dict[tuple[str, int], tuple] = {}
+
+    def _max_tiles(self, tokens: int) -> int:
+        return -(-tokens // self.mixed_bq) + min(tokens, self.max_num_seqs)
+
+    def _shape(self, kind: str, size: int) -> tuple[int, int, int]:
+        """(tokens, sequences, tiles) of a graph."""
+        if kind == "decode":
+            return size, size, size
+        return size, min(size, self.max_num_seqs), self._max_tiles(size)
+
+    def _meta(self, kind: str, size: int) -> AttentionMetadata:
+        st = self.st
+        T, S, tiles = self._shape(kind, size)
+        meta = AttentionMetadata(query_start_loc=st["qsl"][: S + 1], seq_lens=st["seq_lens"][:S],
+                                 block_tables=st["block_tables"][:S], slot_mapping=st["slots"][:T])  # fmt: skip
+        meta.cache["triton"] = {
+            "tile_seq": st["tile_seq"][:tiles], "tile_q": st["tile_q"][:tiles], "num_tiles": tiles,
+            "block_q": 1 if kind == "decode" else self.mixed_bq, "g_pad": self.g_pad, "block_n": 64,
+            "splits": self.splits_of(tiles) if kind == "decode" else 1,
+        }  # fmt: skip
+        return meta
+
+    def _forward(self, kind: str, size: int, meta: AttentionMetadata) -> torch.Tensor:
+        T = self._shape(kind, size)[0]
+        return self.model.forward(self.st["ids"][:T], self.st["positions"][:T], meta, self.kv_caches)
+
+    @torch.inference_mode()
+    def capture(self) -> int:
+        """Capture every graph, largest first, into one memory pool. Returns how many."""
+        pool = graph_pool(self.device)
+        keys = [("mixed", t) for t in reversed(self.mixed)] + [("decode", b) for b in reversed(self.decode)]
+        for kind, size in keys:
+            meta = self._meta(kind, size)
+            self._forward(kind, size, meta)  # warm-up: compiles this shape's kernels; stores nothing
+            synchronize(self.device)
+            graph = new_graph(self.device)
+            with capture(graph, self.device, pool):
+                hidden = self._forward(kind, size, meta)
+            self.graphs[(kind, size)] = (graph, hidden)
+        synchronize(self.device)
+        return len(keys)
+
+    def pick(self, q_lens: np.ndarray) -> tuple[str, int] | None:
+        """The smallest graph that holds a step with these per-sequence token counts, if any."""
+        n, T = len(q_lens), int(q_lens.sum())
+        if (q_lens == 1).all() and n <= self.decode[-1]:
+            return "decode", next(b for b in self.decode if b >= n)
+        if n <= self.max_num_seqs and T <= self.mixed[-1]:
+            return "mixed", next(t for t in self.mixed if t >= T)
+        return None
+
+    def run(self, key: tuple[str, int], h: dict) -> torch.Tensor:
+        """Fill the static inputs from the step's host arrays (runner._host_inputs), replay, and
+        return the hidden states of the step's T tokens (a view of the graph's output)."""
+        from arcserve.kernels.triton_attention import plan_tiles
+
+        kind, size = key
+        st = self.st
+        Tg, _, tiles = self._shape(kind, size)
+        qsl, n = h["qsl"], len(h["seq_lens"])
+        T = int(qsl[-1])
+        seq, q0 = plan_tiles(qsl, 1 if kind == "decode" else self.mixed_bq)
+        tile_seq = np.full(tiles, -1, dtype=np.int32)
+        tile_seq[: len(seq)] = seq
+        tile_q = np.zeros(tiles, dtype=np.int32)
+        tile_q[: len(q0)] = q0
+        slots = np.full(Tg, -1, dtype=np.int64)
+        slots[:T] = h["slots"]
+        nblk = h["tables"].shape[1]
+
+        def put(name, arr, rows=None):
+            dst = st[name][: len(arr)] if rows is None else st[name][:rows, : arr.shape[1]]
+            dst.copy_(torch.from_numpy(arr), non_blocking=True)
+
+        put("ids", h["ids"])
+        put("positions", h["positions"])
+        put("slots", slots)
+        put("qsl", qsl.astype(np.int32))
+        put("seq_lens", h["seq_lens"].astype(np.int32))
+        put("block_tables", h["tables"].astype(np.int32), rows=n) if nblk else None
+        put("tile_seq", tile_seq)
+        put("tile_q", tile_q)
+        graph, hidden = self.graphs[key]
+        graph.replay()
+        return hidden[:T]

@@ -1,0 +1,102 @@
+"""Where a GPU step's time goes (Qwen3-0.6B shape, dummy weights, bf16): host time to issue the work
+against device time, per piece. Prints one table.
+
+    python benchmarks/gpu_profile.py
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from model_shapes import make_shape_dirs  # noqa: E402
+
+from arcserve import LLM, SamplingParams  # noqa: E402
+from arcserve.engine.request import Request  # noqa: E402
+from arcserve.engine.runner import _prefill_meta  # noqa: E402
+from arcserve.platform import synchronize  # noqa: E402
+
+
+def timed(fn, n: int = 20, dev=None) -> tuple[float, float]:
+    """(host ms to issue, ms until the device is done), medians over n runs."""
+    fn()
+    synchronize(dev)
+    host, total = [], []
+    for _ in range(n):
+        synchronize(dev)
+        t = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t)
+        synchronize(dev)
+        total.append(time.perf_counter() - t)
+    return float(np.median(host)) * 1e3, float(np.median(total)) * 1e3
+
+
+@torch.inference_mode()
+def main() -> None:
+    d = make_shape_dirs("/tmp/arcserve-shapes")["qwen3-0.6b"]
+    llm = LLM(str(d), load_format="dummy", dtype="bfloat16", max_model_len=4096)
+    eng = llm.llm_engine
+    r, m, dev = eng.runner, eng.model, eng.device
+    rows = []
+
+    from arcserve.kernels import triton_ops
+
+    x = torch.randn(1, 1024, device=dev, dtype=torch.bfloat16)
+    w = torch.ones(1024, device=dev, dtype=torch.bfloat16)
+    h, t = timed(lambda: [triton_ops.rms_norm(x, w, 1e-6) for _ in range(100)], 5, dev)
+    rows.append(("triton launch (rms_norm 1x1024), per launch", h / 100, t / 100))
+    h, t = timed(lambda: [torch.nn.functional.rms_norm(x, (1024,), w, 1e-6) for _ in range(100)], 5, dev)
+    rows.append(("torch F.rms_norm 1x1024, per call", h / 100, t / 100))
+
+    for T, lens in (("prefill 2048", [2048]), ("prefill 32 over 4096 cached", None)):
+        if lens:
+            meta_fn = lambda lens=lens: _prefill_meta(lens, 16, dev)  # noqa: E731
+            n = sum(lens)
+        else:
+            n = 32
+
+            def meta_fn():
+                meta = _prefill_meta([4128], 16, dev)
+                qsl = np.array([0, 32])
+                meta.host = {"query_start_loc": qsl, "seq_lens": np.array([4128])}
+                meta.query_start_loc = torch.tensor([0, 32], dtype=torch.int32, device=dev)
+                meta.slot_mapping = meta.slot_mapping[-32:]
+                return meta
+
+        ids = torch.randint(0, 100000, (n,), device=dev)
+        pos = torch.arange(n, device=dev) + (0 if lens else 4096)
+        h, t = timed(lambda ids=ids, pos=pos, meta_fn=meta_fn: m.forward(ids, pos, meta_fn(), r.kv_caches), 10, dev)
+        rows.append((f"eager forward, {T}", h, t))
+
+    for b in (1, 64, 256):
+        if r.graphs is not None and ("decode", b) in r.graphs.graphs:
+            g = r.graphs.graphs[("decode", b)][0]
+            h, t = timed(g.replay, 20, dev)
+            rows.append((f"decode graph replay, batch {b}", h, t))
+            hid = torch.randn(b, 1024, device=dev, dtype=torch.bfloat16)
+            h, t = timed(lambda hid=hid: m.logits(hid), 20, dev)
+            rows.append((f"logits, {b} rows", h, t))
+            logits = torch.randn(b, m.cfg.vocab_size, device=dev)
+            for label, kw in (("temp 0.6", {}), ("temp 0.6 + seed", {"seed": 1}), ("top_p 0.9 top_k 50", {"top_p": 0.9, "top_k": 50}), ("greedy", None)):
+                sp = SamplingParams(temperature=0, max_tokens=8) if kw is None else SamplingParams(temperature=0.6, max_tokens=8, **kw)
+                reqs = [Request(f"r{i}", [1, 2, 3], sp, 8) for i in range(b)]
+                if kw and "seed" in kw:
+                    for q in reqs:
+                        q.generator = torch.Generator(device=dev)
+                        q.generator.manual_seed(1)
+                h, t = timed(lambda reqs=reqs, logits=logits: r.sampler(logits, reqs), 20, dev)
+                rows.append((f"sampler {label}, {b} rows", h, t))
+
+    print(f"{'piece':55s} {'host ms':>9s} {'total ms':>9s}")
+    for name, h, t in rows:
+        print(f"{name:55s} {h:9.3f} {t:9.3f}")
+
+
+if __name__ == "__main__":
+    main()

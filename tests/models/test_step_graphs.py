@@ -1,0 +1,48 @@
+"""The captured-graph data path (static buffers, padding tokens and tiles, graph choice) gives the
+same greedy tokens as transformers. On a GPU the graphs are real; on the CPU (Triton interpreter)
+each "replay" runs the same forward eagerly over the same static buffers, which checks everything
+but the capture itself."""
+
+import pytest
+import torch
+from conftest import DEVICE
+from test_oracle import expected, prompts_with_shared_prefix, run  # noqa: F401 F811 (fixture)
+
+from arcserve import LLM
+from arcserve.engine.step_graphs import StepGraphs, decode_sizes, mixed_sizes
+
+
+class EagerReplay:
+    def __init__(self, sg: StepGraphs, key, out: torch.Tensor) -> None:
+        self.sg, self.key, self.out = sg, key, out
+        self.meta = sg._meta(*key)
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.out.copy_(self.sg._forward(*self.key, self.meta))
+        self.replays += 1
+
+
+def test_graph_sizes():
+    assert decode_sizes(256)[:6] == [1, 2, 4, 8, 16, 24] and decode_sizes(256)[-1] == 256
+    assert decode_sizes(5) == [1, 2, 4, 5]
+    assert mixed_sizes(2048) == [256, 512, 1024, 2048] and mixed_sizes(300) == [256, 300]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_graph_path_matches_transformers(tiny_dirs, expected, arch):  # noqa: F811
+    llm = LLM(str(tiny_dirs[arch]), dtype="float32", kernels="triton", device=DEVICE.type, max_num_seqs=6,
+              max_num_batched_tokens=300, enable_prefix_caching=False)  # fmt: skip
+    runner = llm.llm_engine.runner
+    if DEVICE.type == "cpu":
+        sg = StepGraphs(runner.model, runner.kv_caches, runner.block_size, runner.max_model_len, 6, 300)
+        for key in [("decode", b) for b in sg.decode] + [("mixed", t) for t in sg.mixed]:
+            out = torch.empty(sg._shape(*key)[0], runner.model.cfg.hidden_size, device=DEVICE)
+            sg.graphs[key] = (EagerReplay(sg, key, out), out)
+        runner.graphs = sg
+    prompts = prompts_with_shared_prefix(["llama", "mistral", "qwen2", "qwen3"].index(arch))
+    assert run(llm, prompts) == expected[arch]  # 7 prompts, max 6 running: mixed and padded decode steps
+    if DEVICE.type == "cpu":
+        used = {k for k, (g, _) in runner.graphs.graphs.items() if g.replays}
+        assert {k[0] for k in used} == {"decode", "mixed"}
+        assert any(k[1] > 1 for k in used if k[0] == "decode")
