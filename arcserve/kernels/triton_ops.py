@@ -23,7 +23,7 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, n_tok, stride_kt, s
                      BLOCK_SIZE: tl.constexpr, KVH: tl.constexpr, KVH_PAD: tl.constexpr, D: tl.constexpr,
                      D_PAD: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
     t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    slot = tl.load(slot_ptr + t, mask=t < n_tok, other=-1)
+    slot = tl.load(slot_ptr + t, mask=t < n_tok, other=-1).to(tl.int64)
     t = t[:, None, None]
     blk = (slot // BLOCK_SIZE)[:, None, None]
     off = (slot % BLOCK_SIZE)[:, None, None]
