@@ -1,0 +1,43 @@
+"""Engine options of the GPU path that also mean something (or fail clearly) on the CPU."""
+
+import pytest
+import torch
+
+from arcserve import LLM, EngineArgs, SamplingParams
+from arcserve.kernels import resolve_kernels
+
+
+@pytest.mark.parametrize("bad", [dict(gpu_memory_utilization=0), dict(gpu_memory_utilization=1.5),
+                                 dict(load_format="pt")])  # fmt: skip
+def test_bad_engine_options_name_the_option(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        EngineArgs(**bad)
+
+
+def test_kernel_choice(monkeypatch):
+    cpu = torch.device("cpu")
+    assert resolve_kernels("auto", cpu) == "torch"
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        resolve_kernels("cuda", cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        resolve_kernels("triton", cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_kernels("triton", cpu) == "triton"
+
+
+def test_dummy_weights_need_only_config_and_tokenizer(tmp_path, llama_dir):
+    import shutil
+
+    for f in llama_dir.iterdir():  # everything but the weights
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, tmp_path / f.name)
+    with pytest.raises(FileNotFoundError, match="has no weights"):
+        LLM(str(tmp_path), dtype="float32")
+    llm = LLM(str(tmp_path), dtype="float32", load_format="dummy", seed=3)
+    w = llm.llm_engine.model.layers[0].qkv
+    assert w.abs().max() <= 1e-3 and w.std() > 1e-4  # random, in vLLM's dummy range
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6
+    again = LLM(str(tmp_path), dtype="float32", load_format="dummy", seed=3).llm_engine.model.layers[0].qkv
+    assert torch.equal(w, again)  # seeded
