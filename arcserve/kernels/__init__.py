@@ -42,6 +42,7 @@ def get_ops(kernels: str, device: torch.device) -> SimpleNamespace:
             rope_cos_sin=triton_ops.rope_cos_sin,
             rotary_embedding=triton_ops.rotary_embedding,
             store_kv=triton_ops.store_kv,
+            qkv_prepare=triton_ops.qkv_prepare,
             paged_attention=triton_attention.paged_attention,
             prepare_attention=triton_attention.prepare,
             make_decode_mirror=None,
@@ -56,6 +57,7 @@ def get_ops(kernels: str, device: torch.device) -> SimpleNamespace:
         rope_cos_sin=reference.rope_cos_sin,
         rotary_embedding=reference.rotary_embedding,
         store_kv=reference.store_kv,
+        qkv_prepare=reference.qkv_prepare,
         # CPU decode attention reads a dense mirror of the decoding sequences' KV (cpu_attention.py).
         paged_attention=cpu_attention.paged_attention if cpu else reference.paged_attention,
         prepare_attention=None,

@@ -185,3 +185,82 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             x2, out, x2.shape[0], x2.stride(0), out.stride(0), N=n, BLOCK=block, ROWS=rows, **triton_launch_options()
         )  # fmt: skip
     return out.view(*x.shape[:-1], n)
+
+
+# ---- fused q/k norm + RoPE + KV store --------------------------------------------------------
+@triton.jit
+def _qkv_prepare_kernel(qkv_ptr, pos_ptr, cs_ptr, qn_ptr, kn_ptr, kc_ptr, vc_ptr, slot_ptr, n_tok, eps,
+                        stride_t, stride_h, stride_cs, stride_cb, stride_cs_, stride_ch, stride_vb, stride_vs,
+                        stride_vh, NQ: tl.constexpr, NKV: tl.constexpr, NH_PAD: tl.constexpr,
+                        HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                        NEOX: tl.constexpr, HAS_NORM: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    """ROWS tokens x every head (q, k, v) of each: one pass, in place on qkv for q and k."""
+    t1 = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    pos = tl.load(pos_ptr + t1, mask=t1 < n_tok, other=0).to(tl.int64)[:, None, None]
+    slot = tl.load(slot_ptr + t1, mask=t1 < n_tok, other=-1).to(tl.int64)[:, None, None]
+    t = t1[:, None, None]
+    h = tl.arange(0, NH_PAD)[None, :, None]
+    i = tl.arange(0, HALF_PAD)[None, None, :]
+    ok = (t < n_tok) & (i < HALF)
+    is_q = h < NQ
+    is_k = (h >= NQ) & (h < NQ + NKV)
+    is_v = (h >= NQ + NKV) & (h < NQ + 2 * NKV)
+    base = qkv_ptr + t * stride_t + h * stride_h
+    if NEOX:
+        o1, o2 = i, HALF + i
+    else:
+        o1, o2 = 2 * i, 2 * i + 1
+    m = ok & (h < NQ + 2 * NKV)
+    x1 = tl.load(base + o1, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(base + o2, mask=m, other=0.0).to(tl.float32)
+    # V heads: straight to the cache
+    cache_off = (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vs
+    vm = m & is_v & (slot >= 0)
+    tl.store(vc_ptr + cache_off + (h - NQ - NKV) * stride_vh + o1, x1.to(vc_ptr.dtype.element_ty), mask=vm)
+    tl.store(vc_ptr + cache_off + (h - NQ - NKV) * stride_vh + o2, x2.to(vc_ptr.dtype.element_ty), mask=vm)
+    if HAS_NORM:  # per-head RMSNorm of q and k heads, rounded to the model dtype as the twin does
+        var = (tl.sum(x1 * x1, 2) + tl.sum(x2 * x2, 2)) / (2 * HALF)
+        r = tl.rsqrt(var + eps)[:, :, None]
+        wq = i < HALF
+        w1 = tl.where(is_q, tl.load(qn_ptr + o1, mask=wq, other=0.0), tl.load(kn_ptr + o1, mask=wq, other=0.0))
+        w2 = tl.where(is_q, tl.load(qn_ptr + o2, mask=wq, other=0.0), tl.load(kn_ptr + o2, mask=wq, other=0.0))
+        x1 = (x1 * r * w1.to(tl.float32)).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+        x2 = (x2 * r * w2.to(tl.float32)).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+    cos = tl.load(cs_ptr + pos * stride_cs + i, mask=i < HALF, other=0.0)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + i, mask=i < HALF, other=0.0)
+    y1 = (x1 * cos - x2 * sin).to(qkv_ptr.dtype.element_ty)
+    y2 = (x2 * cos + x1 * sin).to(qkv_ptr.dtype.element_ty)
+    qk = m & (is_q | is_k)
+    tl.store(base + o1, y1, mask=qk)
+    tl.store(base + o2, y2, mask=qk)
+    km = m & is_k & (slot >= 0)
+    k_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs_ + (h - NQ) * stride_ch
+    tl.store(kc_ptr + k_off + o1, y1.to(kc_ptr.dtype.element_ty), mask=km)
+    tl.store(kc_ptr + k_off + o2, y2.to(kc_ptr.dtype.element_ty), mask=km)
+
+
+def qkv_prepare(qkv: torch.Tensor, num_q: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                eps: float, rope: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                neox: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Same contract as reference.qkv_prepare, in one launch (q and k rotated in place in qkv)."""
+    cos_sin, positions = rope
+    T, nh, d = qkv.shape
+    nkv = (nh - num_q) // 2
+    if cos_sin.shape[1] != d or qkv.stride(2) != 1:  # partial rotary: the unfused path
+        qk, v = qkv[:, : num_q + nkv], qkv[:, num_q + nkv :]
+        if q_norm is not None:
+            qk = torch.cat((rms_norm(qk[:, :num_q], q_norm, eps), rms_norm(qk[:, num_q:], k_norm, eps)), 1)
+        qk = rotary_embedding(qk, rope, neox)
+        store_kv(qk[:, num_q:], v, k_cache, v_cache, slots)
+        return qk[:, :num_q], qk[:, num_q:], v
+    if T:
+        rows = _rows_per_program(T)
+        norm = q_norm is not None
+        _qkv_prepare_kernel[(triton.cdiv(T, rows),)](
+            qkv, positions, cos_sin, q_norm if norm else qkv, k_norm if norm else qkv, k_cache, v_cache, slots, T,
+            eps, qkv.stride(0), qkv.stride(1), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), NQ=num_q, NKV=nkv,
+            NH_PAD=_pow2(nh), HALF=d // 2, HALF_PAD=_pow2(d // 2), BLOCK_SIZE=k_cache.shape[1], NEOX=neox,
+            HAS_NORM=norm, ROWS=rows, **triton_launch_options(),
+        )  # fmt: skip
+    return qkv[:, :num_q], qkv[:, num_q : num_q + nkv], qkv[:, num_q + nkv :]

@@ -75,12 +75,8 @@ class DecoderModel:
         for i, (lw, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x, residual = ops.fused_add_rms_norm(x, residual, lw.input_norm, eps)
             qkv = ops.linear(x, lw.qkv, lw.qkv_bias).view(T, nq + 2 * nkv, d)
-            qk, v = qkv[:, : nq + nkv], qkv[:, nq + nkv :]
-            if lw.q_norm is not None:
-                qk = torch.cat((ops.rms_norm(qk[:, :nq], lw.q_norm, eps), ops.rms_norm(qk[:, nq:], lw.k_norm, eps)), 1)
-            qk = ops.rotary_embedding(qk, rope)  # q and k heads rotated together
-            q, k = qk[:, :nq], qk[:, nq:]
-            ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            # q/k norm (Qwen3), RoPE of q and k heads together, K/V into the paged cache
+            q, k, v = ops.qkv_prepare(qkv, nq, lw.q_norm, lw.k_norm, eps, rope, k_cache, v_cache, meta.slot_mapping)
             attn = ops.paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, cfg.sliding_window, i)
             x = ops.linear(attn.view(T, h * d), lw.o, lw.o_bias)
             x, residual = ops.fused_add_rms_norm(x, residual, lw.post_norm, eps)

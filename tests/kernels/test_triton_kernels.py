@@ -192,3 +192,29 @@ def test_plan_tiles_cover_every_token_once():
     seq, q0 = triton_attention.plan_tiles(qsl, 8)
     covered = sorted((int(s), int(t)) for s, a in zip(seq, q0) for t in range(a, min(a + 8, qsl[s + 1] - qsl[s])))
     assert covered == [(s, t) for s in range(4) for t in range(int(qsl[s + 1] - qsl[s]))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("nq,nkv,head_dim,rot", [(4, 2, 64, None), (6, 2, 128, None), (3, 1, 64, 32)])
+def test_qkv_prepare_fused_norm_rope_store(dtype, norm, neox, nq, nkv, head_dim, rot):
+    """q/k norm + RoPE + K/V store in one pass equals the twin's composition (partial rotary takes
+    the unfused path); padding tokens (slot -1) store nothing."""
+    T, nb, bs = 13, 5, 16
+    table = _table(head_dim, 200, llama3=False, rot=rot)
+    positions = torch.tensor(random.Random(nq).sample(range(200), T), device=DEVICE)
+    qkv = rand(T, nq + 2 * nkv, head_dim, dtype=dtype)
+    qn, kn = (rand(head_dim, dtype=dtype), rand(head_dim, dtype=dtype)) if norm else (None, None)
+    slots = torch.randperm(nb * bs, device=DEVICE)[:T]
+    slots[4] = -1
+    kc, vc = rand(nb, bs, nkv, head_dim, dtype=dtype), rand(nb, bs, nkv, head_dim, dtype=dtype)
+    kc2, vc2, qkv2 = kc.clone(), vc.clone(), qkv.clone()
+    keep = slots >= 0
+    rq, rk, rv = reference.qkv_prepare(qkv2[keep], nq, qn, kn, 1e-6, reference.rope_cos_sin(table, positions[keep], dtype),
+                                       kc2, vc2, slots[keep], neox)  # fmt: skip
+    q, k, v = triton_ops.qkv_prepare(qkv, nq, qn, kn, 1e-6, triton_ops.rope_cos_sin(table, positions, dtype),
+                                     kc, vc, slots, neox)  # fmt: skip
+    assert rel_err(q[keep], rq) < TOL[dtype] and rel_err(k[keep], rk) < TOL[dtype]
+    assert torch.equal(v[keep], rv)
+    assert rel_err(kc, kc2) < TOL[dtype] and torch.equal(vc, vc2)
