@@ -55,7 +55,7 @@ class Serving:
         tasks = [asyncio.ensure_future(s.__anext__()) for s in streams]
         try:
             while True:
-                done, pending = await asyncio.wait(tasks, timeout=0.5)
+                done, pending = await asyncio.wait(tasks, timeout=0.1)  # also how soon a gone client is seen
                 if not pending:
                     return [t.result() for t in tasks]
                 if await raw.is_disconnected():

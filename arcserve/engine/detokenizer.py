@@ -25,6 +25,13 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_len = len(tokenizer)
+        # A fast tokenizer without clean-up decodes exactly as its Rust backend does: call that
+        # directly (~3x cheaper per call than the Python wrapper; two calls per token).
+        backend = getattr(tokenizer, "_tokenizer", None)
+        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            self._decode_fn = backend.decode
+        else:
+            self._decode_fn = tokenizer.decode
         self.skip_special = skip_special_tokens
         self.stop = stop or []
         self.include_stop = include_stop_str_in_output
@@ -37,7 +44,7 @@ class IncrementalDetokenizer:
         self.sent = 0  # chars of text already handed out as deltas
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+        return self._decode_fn(ids, skip_special_tokens=self.skip_special)
 
     def add_token(self, token: int, check_stop: bool = True) -> str | None:
         """Append a token; return the stop string if the text now contains one (text is trimmed).

@@ -89,7 +89,9 @@ class StepGraphs:
         meta.cache["triton"] = {
             "tile_seq": st["tile_seq"][:tiles], "tile_q": st["tile_q"][:tiles], "num_tiles": tiles,
             "block_q": 1 if kind == "decode" else self.mixed_bq, "g_pad": self.g_pad, "block_n": 64,
-            "splits": self.splits_of(tiles) if kind == "decode" else 1,
+            # decode: split for the batch size; mixed: for one chunk of the bucket's size over a long
+            # cached prefix (small buckets get splits, large ones have enough tiles already)
+            "splits": self.splits_of(tiles if kind == "decode" else -(-size // self.mixed_bq)),
         }  # fmt: skip
         return meta
 
