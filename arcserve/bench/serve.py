@@ -75,7 +75,9 @@ async def one(client, url: str, headers: dict, model: str, prompt: list[int], ou
                     return r
                 if data.get("usage"):
                     r.output_len = data["usage"]["completion_tokens"]
-                if any(c.get("text") for c in data.get("choices", [])):
+                # Any chunk with choices is a step's output (as vLLM's client counts): its text may
+                # be empty (held back; or ids a small tokenizer of a dummy model cannot spell).
+                if data.get("choices"):
                     now = time.perf_counter()
                     if r.ttft == 0.0:
                         r.ttft = now - start
@@ -84,6 +86,8 @@ async def one(client, url: str, headers: dict, model: str, prompt: list[int], ou
                     last = now
         r.latency = time.perf_counter() - start
         r.ok = r.ttft > 0
+        if not r.ok:
+            r.error = "the stream ended without any output"
     except Exception as e:  # a failed request is reported, not fatal
         r.error = f"{type(e).__name__}: {e}"
     return r
