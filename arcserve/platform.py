@@ -6,6 +6,7 @@ Everything else asks this module and stays device-neutral (the same code runs on
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -81,8 +82,10 @@ def triton_available(device: torch.device) -> bool:
     return device.type in ("cuda", "xpu") or (device.type == "cpu" and triton_interpreting())
 
 
+@functools.cache
 def triton_launch_options() -> dict:
-    """Backend-specific launch options: large register files on Intel XPU, nothing elsewhere."""
+    """Backend-specific launch options: large register files on Intel XPU, nothing elsewhere.
+    Cached: asked at every kernel launch, and the answer does not change within a process."""
     if _has_xpu() and not torch.cuda.is_available() and not triton_interpreting():
         return {"grf_mode": "large"}
     return {}

@@ -51,8 +51,7 @@ class LLMEngine(InputProcessor):
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, args.seed, self.max_model_len,
                                   args.max_num_seqs)  # fmt: skip
         # Graphs need attention that plans on the device (the Triton kernels), not the torch twin's host plan.
-        if (self.device.type != "cpu" and not args.enforce_eager and graphs_supported(self.device)
-                and ops.prepare_attention is not None):  # fmt: skip
+        if self.device.type != "cpu" and not args.enforce_eager and graphs_supported(self.device) and ops.name == "triton":
             t0 = time.time()
             n = self.runner.capture_graphs(self.max_num_batched_tokens)
             logger.info("Captured %d step graphs (decode batches up to %d, mixed steps up to %d tokens) in %.1f s",

@@ -169,21 +169,21 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         h = self._host_inputs(out)
-        key = None
-        if self.graphs is not None and not any(s.request.prompt_logprobs is not None for s in out.seqs):
-            key = self.graphs.pick(h["q_lens"])
-        if key is not None:
+        key = self.graphs.pick(h["q_lens"]) if self.graphs is not None else None
+        if key is not None:  # the graph's output holds every token's hidden state, as the eager forward's
             hidden = self.graphs.run(key, h)
-            prompt_lps = {}
         else:
             ids, positions, meta = self._prepare(h)
             hidden = self.model.forward(ids, positions, meta, self.kv_caches)
-            prompt_lps = self._prompt_logprobs(out, hidden, h["qsl"])
+        prompt_lps = self._prompt_logprobs(out, hidden, h["qsl"])
         sampling = [i for i, s in enumerate(out.seqs) if s.sample]
         if not sampling:
             return StepResult({}, {}, prompt_lps)
-        last = h["qsl"][1:][sampling] - 1
-        logits = self.model.logits(hidden[torch.from_numpy(last).to(self.device)])
+        if len(sampling) == hidden.shape[0]:  # one sampled token per row (decode): no gather
+            logits = self.model.logits(hidden)
+        else:
+            last = h["qsl"][1:][sampling] - 1
+            logits = self.model.logits(hidden[torch.from_numpy(last).to(self.device)])
         return self._sample(out, logits, sampling, prompt_lps)
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor, sampling: list[int], prompt_lps: dict) -> StepResult:

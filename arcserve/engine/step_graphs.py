@@ -40,7 +40,8 @@ class StepGraphs:
                  max_num_batched_tokens: int) -> None:  # fmt: skip
         from arcserve.kernels import triton_attention as ta
 
-        self.model, self.kv_caches, self.bs = model, kv_caches, block_size
+        self.model, self.kv_caches = model, kv_caches
+        self.plan_tiles = ta.plan_tiles
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         cfg, dev = model.cfg, model.device
         self.device = dev
@@ -127,14 +128,12 @@ class StepGraphs:
     def run(self, key: tuple[str, int], h: dict) -> torch.Tensor:
         """Fill the static inputs from the step's host arrays (runner._host_inputs), replay, and
         return the hidden states of the step's T tokens (a view of the graph's output)."""
-        from arcserve.kernels.triton_attention import plan_tiles
-
         kind, size = key
         hs = self.hst
         Tg, _, tiles = self._shape(kind, size)
         qsl, n = h["qsl"], len(h["seq_lens"])
         T = int(qsl[-1])
-        seq, q0 = plan_tiles(qsl, 1 if kind == "decode" else self.mixed_bq)
+        seq, q0 = self.plan_tiles(qsl, 1 if kind == "decode" else self.mixed_bq)
         hs["ids"][:T] = h["ids"]
         hs["positions"][:T] = h["positions"]
         hs["slots"][:T] = h["slots"]

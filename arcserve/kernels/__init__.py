@@ -1,6 +1,6 @@
 """Kernel selection: `torch` = the pure-PyTorch twins in reference.py (the CPU path); `triton` = the
 Triton kernels (GPUs, or the CPU under TRITON_INTERPRET=1); `auto` = Triton on GPUs, torch on CPU.
-Matmuls are PyTorch's (cuBLAS / oneDNN / ...) in both."""
+Matmuls are PyTorch's (cuBLAS / oneDNN / ...) in both. The namespace holds what the model calls."""
 
 from __future__ import annotations
 
@@ -29,37 +29,28 @@ def resolve_kernels(kernels: str, device: torch.device) -> str:
 
 def get_ops(kernels: str, device: torch.device) -> SimpleNamespace:
     name = resolve_kernels(kernels, device)
-    common = dict(linear=reference.linear, pack_linear_weight=reference.pack_linear_weight)
-    if name == "triton":
-        from arcserve.kernels import triton_attention, triton_ops
-
-        return SimpleNamespace(
-            name="triton",
-            **common,
-            rms_norm=triton_ops.rms_norm,
-            fused_add_rms_norm=triton_ops.fused_add_rms_norm,
-            silu_and_mul=triton_ops.silu_and_mul,
-            rope_cos_sin=triton_ops.rope_cos_sin,
-            rotary_embedding=triton_ops.rotary_embedding,
-            store_kv=triton_ops.store_kv,
-            qkv_prepare=triton_ops.qkv_prepare,
-            paged_attention=triton_attention.paged_attention,
-            prepare_attention=triton_attention.prepare,
-            make_decode_mirror=None,
-        )
     cpu = device.type == "cpu"
-    return SimpleNamespace(
-        name="torch",
-        **common,
-        rms_norm=reference.rms_norm,
+    ops = dict(
+        name=name,
+        linear=reference.linear,
+        pack_linear_weight=reference.pack_linear_weight,
         fused_add_rms_norm=reference.fused_add_rms_norm,
         silu_and_mul=reference.silu_and_mul,
         rope_cos_sin=reference.rope_cos_sin,
-        rotary_embedding=reference.rotary_embedding,
-        store_kv=reference.store_kv,
         qkv_prepare=reference.qkv_prepare,
         # CPU decode attention reads a dense mirror of the decoding sequences' KV (cpu_attention.py).
         paged_attention=cpu_attention.paged_attention if cpu else reference.paged_attention,
-        prepare_attention=None,
         make_decode_mirror=cpu_attention.DecodeMirror if cpu else None,
     )
+    if name == "triton":
+        from arcserve.kernels import triton_attention, triton_ops
+
+        ops.update(
+            fused_add_rms_norm=triton_ops.fused_add_rms_norm,
+            silu_and_mul=triton_ops.silu_and_mul,
+            rope_cos_sin=triton_ops.rope_cos_sin,
+            qkv_prepare=triton_ops.qkv_prepare,
+            paged_attention=triton_attention.paged_attention,
+            make_decode_mirror=None,
+        )
+    return SimpleNamespace(**ops)

@@ -90,17 +90,19 @@ def store_kv(
 
 def qkv_prepare(qkv: torch.Tensor, num_q: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
                 eps: float, rope: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                neox: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+                neox: bool = True, parts: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """From the qkv projection [T, q heads + 2 kv heads, head_dim]: per-head RMSNorm of q and k
     (Qwen3; when the norms are given), RoPE of q and k, K/V stored at their cache slots.
-    Returns (q, k, v) views of [T, heads, head_dim]."""
+    Returns (q, k, v) views of [T, heads, head_dim]. `parts` = (rms_norm, rotary_embedding,
+    store_kv) to compose instead of this module's (the Triton path's unfused fallback)."""
+    norm, rotate, store = parts or (rms_norm, rotary_embedding, store_kv)
     nkv = (qkv.shape[1] - num_q) // 2
     qk, v = qkv[:, : num_q + nkv], qkv[:, num_q + nkv :]
     if q_norm is not None:
-        qk = torch.cat((rms_norm(qk[:, :num_q], q_norm, eps), rms_norm(qk[:, num_q:], k_norm, eps)), 1)
-    qk = rotary_embedding(qk, rope, neox)
+        qk = torch.cat((norm(qk[:, :num_q], q_norm, eps), norm(qk[:, num_q:], k_norm, eps)), 1)
+    qk = rotate(qk, rope, neox)
     q, k = qk[:, :num_q], qk[:, num_q:]
-    store_kv(k, v, k_cache, v_cache, slots)
+    store(k, v, k_cache, v_cache, slots)
     return q, k, v
 
 

@@ -199,9 +199,9 @@ def paged_attention(
     kvh = k_cache.shape[2]
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     splits, head_pad = plan["splits"], _next_pow2(D)
-    if splits > 1:
+    if splits > 1:  # every (token, head, split) of a real tile is written; padding rows are never read
         part = torch.empty(T, H, splits, head_pad, dtype=torch.float32, device=q.device)
-        lse = torch.full((T, H, splits), float("-inf"), dtype=torch.float32, device=q.device)
+        lse = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
     else:
         part = lse = out
     grid = (plan["num_tiles"], kvh, splits)

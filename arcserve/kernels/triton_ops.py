@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from arcserve.kernels import reference
 from arcserve.platform import triton_interpreting, triton_launch_options
 
 
@@ -246,13 +247,9 @@ def qkv_prepare(qkv: torch.Tensor, num_q: int, q_norm: torch.Tensor | None, k_no
     cos_sin, positions = rope
     T, nh, d = qkv.shape
     nkv = (nh - num_q) // 2
-    if cos_sin.shape[1] != d or qkv.stride(2) != 1:  # partial rotary: the unfused path
-        qk, v = qkv[:, : num_q + nkv], qkv[:, num_q + nkv :]
-        if q_norm is not None:
-            qk = torch.cat((rms_norm(qk[:, :num_q], q_norm, eps), rms_norm(qk[:, num_q:], k_norm, eps)), 1)
-        qk = rotary_embedding(qk, rope, neox)
-        store_kv(qk[:, num_q:], v, k_cache, v_cache, slots)
-        return qk[:, :num_q], qk[:, num_q:], v
+    if cos_sin.shape[1] != d or qkv.stride(2) != 1:  # partial rotary: the twin's composition of our kernels
+        return reference.qkv_prepare(qkv, num_q, q_norm, k_norm, eps, rope, k_cache, v_cache, slots, neox,
+                                     parts=(rms_norm, rotary_embedding, store_kv))  # fmt: skip
     if T:
         rows = _rows_per_program(T)
         norm = q_norm is not None

@@ -1,11 +1,15 @@
 """Greedy tokens identical to transformers for tiny random models of every supported family,
 on mixed-length prompts that share a prefix: default settings, forced chunking, forced preemption,
-and a second pass served from the prefix cache."""
+and a second pass served from the prefix cache.
+
+kernels="auto" is the device's own path (torch twins on the CPU; Triton kernels and graphs on a
+GPU). On the CPU the Triton kernels also run, in Triton's interpreter (kernels="triton"): each
+attention program costs ~30 ms there, so CI runs two of those cases and the rest are marked slow."""
 
 import random
 
 import pytest
-from conftest import ARCHS
+from conftest import ARCHS, DEVICE
 from tiny_models import TOKENIZER_VOCAB, hf_greedy
 
 from arcserve import LLM, SamplingParams
@@ -40,10 +44,20 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_transformers(tiny_dirs, expected, arch, setting):
-    llm = LLM(str(tiny_dirs[arch]), dtype="float32", **SETTINGS[setting])
+TRITON_IN_CI = {("llama", "default"), ("qwen3", "chunked16")}
+CASES = [(arch, setting, "auto") for arch in ARCHS for setting in SETTINGS]
+if DEVICE.type == "cpu":  # on a GPU, "auto" is already the Triton path
+    CASES += [
+        pytest.param(arch, setting, "triton", marks=[] if (arch, setting) in TRITON_IN_CI else [pytest.mark.slow])
+        for arch in ("llama", "qwen3", "mistral") for setting in SETTINGS
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("arch,setting,kernels", CASES)
+def test_greedy_matches_transformers(tiny_dirs, expected, arch, setting, kernels):
+    llm = LLM(str(tiny_dirs[arch]), dtype="float32", kernels=kernels, **SETTINGS[setting])
+    if kernels == "triton":
+        assert llm.llm_engine.model.ops.name == "triton"
     prompts = prompts_with_shared_prefix(ARCHS.index(arch))
     assert run(llm, prompts) == expected[arch]
     sched = llm.llm_engine.scheduler
