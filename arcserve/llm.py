@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -33,10 +34,8 @@ class LLM:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
-        llm = cls.__new__(cls)
-        llm.llm_engine = LLMEngine(args)
-        llm._ids = itertools.count()
-        return llm
+        fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}  # shallow: a policy object stays
+        return cls(**fields)
 
     def get_metrics(self) -> dict:
         """The engine's figures by their Prometheus names (the same ones /metrics serves)."""

@@ -12,10 +12,9 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict | None = None) -> None:  # fmt: skip
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+        self.status, self.message, self.param, self.code = status, message, param, code
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

@@ -58,7 +58,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
 
     @app.exception_handler(APIError)
     async def api_error(_r: Request, e: APIError):
-        return error_response(e.status, e.message, e.param, e.code, e.headers)
+        return error_response(e.status, e.message, e.param, e.code)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_r: Request, e: RequestValidationError):

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from arcserve.api.errors import APIError, bad_request, error_body
 from arcserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from arcserve.engine.async_engine import AsyncLLM, RequestStream
+from arcserve.engine.detokenizer import TokenTexts
 from arcserve.outputs import CompletionOutput, RequestOutput
 
 
@@ -23,6 +24,7 @@ class Serving:
         self.llm = engine.engine
         self.model_name = model_name
         self.tokenizer = self.llm.tokenizer
+        self._token_str = TokenTexts(self.tokenizer)  # text of one token id, decoded once per id
 
     # ---- shared --------------------------------------------------------------------------------
     def _start(self, prompts: list, params_for, req: Request, priority: int, stream: bool) -> list[RequestStream]:
@@ -100,9 +102,6 @@ class Serving:
     def _sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    def _token_str(self, tid: int) -> str:
-        return self.tokenizer.decode([tid]) if tid < len(self.tokenizer) else ""
-
     # ---- completions ---------------------------------------------------------------------------
     def _completion_logprobs(self, o: CompletionOutput, offset: int, k: int) -> dict | None:
         if o.logprobs is None:
@@ -169,7 +168,7 @@ class Serving:
         """Legacy logprobs of the prompt tokens (the first has none), for echo."""
         toks, lps, tops, offs, off = [], [], [], [], 0
         for tid, entries in zip(out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids)):
-            s = self._token_str(tid)
+            s = entries[tid].decoded_token if entries is not None else self._token_str(tid)
             toks.append(s)
             offs.append(off)
             off += len(s)

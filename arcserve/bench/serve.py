@@ -38,7 +38,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [len*(1-r), len*(1+r)]")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson rate (req/s); inf = all at once")
     p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--vocab-size", type=int, default=None, help="token id range (default: from /tokenize probe or 32000)")
+    p.add_argument("--vocab-size", type=int, default=None, help="token ids are drawn from [10, vocab_size - 10) (default 32000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--save-result", default=None, help="write the figures as JSON here")

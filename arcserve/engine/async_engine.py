@@ -106,7 +106,7 @@ class AsyncLLM:
             for group, _ in prepared:
                 q: asyncio.Queue = asyncio.Queue()
                 self._streams[group.request_id] = (loop, q)
-                streams.append(RequestStream(self, group.request_id, q, group.prompt_token_ids))
+                streams.append(RequestStream(self, group.request_id, q))
             self._pending += len(prepared)
         for p in prepared:
             self._submit("add", p)
@@ -189,9 +189,8 @@ class AsyncLLM:
 class RequestStream:
     """Outputs of one request. close() (or leaving an `async for` early) aborts it if unfinished."""
 
-    def __init__(self, owner: AsyncLLM, request_id: str, q: asyncio.Queue, prompt_token_ids: list[int]):
+    def __init__(self, owner: AsyncLLM, request_id: str, q: asyncio.Queue):
         self.owner, self.request_id, self.q = owner, request_id, q
-        self.prompt_token_ids = prompt_token_ids
         self.finished = False
         self.closed = False
 

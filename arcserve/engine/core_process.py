@@ -3,7 +3,8 @@ child process, so model steps and the HTTP event loop share neither the GIL nor 
 
 The parent keeps a model-less InputProcessor (tokenizer, configs, validation): requests are tokenized
 and validated there, then sent as prepared Requests over a pipe. The child steps the engine and sends
-back each step's RequestOutputs with a snapshot of the engine's figures (served by /metrics).
+back each step's RequestOutputs with the engine's figures (served by /metrics): the gauges every
+step, everything at most every 0.25 s and with every step that finishes a request.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import threading
+import time
 
 from arcserve.config import EngineArgs
 from arcserve.engine.async_engine import AsyncLLM, EngineDeadError, run_command, step_isolated
@@ -50,7 +52,24 @@ def _core_main(args: EngineArgs, cmd_conn, out_conn, threads: int | None, log_le
         return
 
 
+_FULL_FIGURES_EVERY = 0.25  # s; the full figures also go with every step that finishes a request
+
+
 def _serve_commands(engine, cmd_conn, out_conn) -> None:
+    last_full = 0.0
+
+    def figures(force: bool) -> dict:
+        """All figures when forced or due; else only the gauges the parent reads per request
+        (admission control), which are cheap (building every histogram each step is not)."""
+        nonlocal last_full
+        now = time.monotonic()
+        if force or now - last_full >= _FULL_FIGURES_EVERY:
+            last_full = now
+            return engine.get_metrics()
+        st = engine.scheduler.stats()
+        return {"arcserve:num_requests_running": st.num_running, "arcserve:num_requests_waiting": st.num_waiting,
+                "arcserve:kv_cache_usage_perc": st.kv_cache_usage}  # fmt: skip
+
     while True:
         added, timeout = 0, (0 if engine.has_unfinished_requests() else 0.5)
         while cmd_conn.poll(timeout):
@@ -64,12 +83,12 @@ def _serve_commands(engine, cmd_conn, out_conn) -> None:
                 out_conn.send(("error", arg[0].request_id, str(err)))
         if not engine.has_unfinished_requests():
             if added or timeout == 0:  # commands changed the figures (aborts free blocks)
-                out_conn.send(("outputs", [], engine.get_metrics(), added))
+                out_conn.send(("outputs", [], figures(True), added))
             continue
         outs, failed, err = step_isolated(engine)
         if failed:
             out_conn.send(("failed", failed, repr(err)))
-        out_conn.send(("outputs", outs, engine.get_metrics(), added))
+        out_conn.send(("outputs", outs, figures(bool(failed) or any(o.finished for o in outs)), added))
 
 
 class AsyncLLMProcess(AsyncLLM):
@@ -122,7 +141,7 @@ class AsyncLLMProcess(AsyncLLM):
                 _, outs, snapshot, added = msg
                 with self._lock:
                     self._pending -= added
-                self.engine.snapshot = snapshot
+                self.engine.snapshot = {**self.engine.snapshot, **snapshot}
                 for out in outs:
                     self._deliver(out.request_id, out)
             elif kind == "error":

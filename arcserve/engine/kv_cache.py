@@ -97,10 +97,6 @@ class KVCacheManager:
         self.prefix_queries = 0
         self.prefix_hits = 0
 
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
     def usage(self) -> float:
         return self.pool.usage()
 

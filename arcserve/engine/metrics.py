@@ -39,6 +39,7 @@ class Histogram:
 
     def __post_init__(self) -> None:
         self.counts = [0] * (len(self.buckets) + 1)
+        self.labels = [*map(str, self.buckets), "+Inf"]
 
     def observe(self, v: float) -> None:
         self.counts[bisect.bisect_left(self.buckets, v)] += 1
@@ -47,7 +48,7 @@ class Histogram:
 
     def cumulative(self) -> list[tuple[str, int]]:
         out, total = [], 0
-        for le, c in zip([*map(str, self.buckets), "+Inf"], self.counts):
+        for le, c in zip(self.labels, self.counts):
             total += c
             out.append((le, total))
         return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from arcserve.engine.detokenizer import IncrementalDetokenizer
+from arcserve.engine.detokenizer import IncrementalDetokenizer, TokenTexts
 from arcserve.engine.request import Request
 from arcserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from arcserve.sampling_params import RequestOutputKind, SamplingParams
@@ -41,7 +41,7 @@ class RequestGroup:
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.vocab_len = len(tokenizer)
+        self.token_text = TokenTexts(tokenizer)
         self.groups: dict[str, RequestGroup] = {}
         self.seq_of: dict[str, tuple[RequestGroup, _Seq]] = {}  # child request id -> (group, seq)
 
@@ -70,7 +70,7 @@ class OutputProcessor:
 
     def _decode_entries(self, entries: dict) -> None:
         for tid, e in entries.items():
-            e.decoded_token = self.tokenizer.decode([tid]) if tid < self.vocab_len else ""
+            e.decoded_token = self.token_text(tid)
 
     def on_prompt_logprobs(self, req: Request, entries: list[dict]) -> None:
         for e in entries:
@@ -108,24 +108,24 @@ class OutputProcessor:
         outs = []
         for i, s in enumerate(group.seqs):
             req = s.req
-            ids = req.output_token_ids
+            n_out = req.num_output_tokens
             done = s.finish_reason is not None
             if delta and s.reported_done:
                 continue
             start = s.sent_tokens if delta else 0
             if delta:
                 text = s.detok.delta(done) if s.detok else ""
-                if start == len(ids) and not text and not done:
+                if start == n_out and not text and not done:
                     continue
             else:
                 text = s.detok.visible_text(done) if s.detok else ""
-            s.sent_tokens = len(ids)
+            s.sent_tokens = n_out
             s.reported_done = done
             outs.append(
                 CompletionOutput(
                     index=i,
                     text=text,
-                    token_ids=ids[start:],
+                    token_ids=req.token_ids[req.num_prompt_tokens + start :],
                     cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
                     logprobs=req.logprobs[start:] if req.logprobs is not None else None,
                     finish_reason=s.finish_reason,
