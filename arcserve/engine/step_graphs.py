@@ -15,6 +15,8 @@ host and run eagerly.
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import torch
 
@@ -102,17 +104,25 @@ class StepGraphs:
 
     @torch.inference_mode()
     def capture(self) -> int:
-        """Capture every graph, largest first, into one memory pool. Returns how many."""
+        """Capture every graph, largest first, into one memory pool. Returns how many.
+        The garbage collector stays off meanwhile: collecting another engine's graphs during a
+        capture resets them, which the capture forbids (seen: 'operation not permitted when stream
+        is capturing' when a process built a new LLM while an old one was garbage)."""
         pool = graph_pool(self.device)
         keys = [("mixed", t) for t in reversed(self.mixed)] + [("decode", b) for b in reversed(self.decode)]
-        for kind, size in keys:
-            meta = self._meta(kind, size)
-            self._forward(kind, size, meta)  # warm-up: compiles this shape's kernels; stores nothing
-            synchronize(self.device)
-            graph = new_graph(self.device)
-            with capture(graph, self.device, pool):
-                hidden = self._forward(kind, size, meta)
-            self.graphs[(kind, size)] = (graph, hidden)
+        gc.collect()
+        gc.disable()
+        try:
+            for kind, size in keys:
+                meta = self._meta(kind, size)
+                self._forward(kind, size, meta)  # warm-up: compiles this shape's kernels; stores nothing
+                synchronize(self.device)
+                graph = new_graph(self.device)
+                with capture(graph, self.device, pool):
+                    hidden = self._forward(kind, size, meta)
+                self.graphs[(kind, size)] = (graph, hidden)
+        finally:
+            gc.enable()
         synchronize(self.device)
         return len(keys)
 
