@@ -27,6 +27,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9  # GPU: share of device memory for weights, activations, KV cache
     enforce_eager: bool = False  # GPU: no decode graphs
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights from config.json; benchmarks)
+    async_scheduling: bool | None = None  # overlapped steps; None = on for GPUs, off on the CPU
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:

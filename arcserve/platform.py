@@ -159,3 +159,35 @@ def pin_memory_available(device: torch.device) -> bool:
 
 def distributed_backend(device: torch.device) -> str:
     return {"cuda": "nccl", "xpu": "xccl"}.get(device.type, "gloo")
+
+
+def to_device(array, device: torch.device) -> torch.Tensor:
+    """A host array (numpy or CPU tensor) on `device` without blocking the host: through pinned memory
+    and an asynchronous copy on GPUs (torch's pinned-memory cache keeps the staging buffer until the
+    copy has run), as is on the CPU. A plain `.to(device)` from pageable memory waits for the device
+    to go idle, which would undo overlapped steps."""
+    t = torch.from_numpy(array) if not isinstance(array, torch.Tensor) else array
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def to_host_async(t: torch.Tensor) -> torch.Tensor:
+    """Start copying a device tensor to (pinned) host memory; valid after the step's event (new_event)."""
+    return t if t.device.type == "cpu" else t.to("cpu", non_blocking=True)
+
+
+def new_event(device: torch.device):
+    """An event recorded on the device's current stream now (None on the CPU, where work is done when
+    issued). wait_event(event) blocks the host until the device has passed it."""
+    b = _backend(device)
+    if b is None:
+        return None
+    e = b.Event()
+    e.record()
+    return e
+
+
+def wait_event(event) -> None:
+    if event is not None:
+        event.synchronize()

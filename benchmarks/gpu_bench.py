@@ -6,7 +6,8 @@
               floor: weight bytes over the measured device copy bandwidth
   prefix      TTFT of a prompt whose 4,096-token prefix is cached, against the same prompt cold
 
-    python benchmarks/gpu_bench.py [throughput|decode|prefix|all] [--enforce-eager] [--out FILE]
+    python benchmarks/gpu_bench.py [throughput|decode|prefix|all] [--enforce-eager]
+                                   [--async-scheduling on|off] [--out FILE]
 
 Model folders come from benchmarks/model_shapes.py (config.json + a small tokenizer), loaded with
 load_format="dummy". The same script drives vLLM with --engine vllm (same LLM/SamplingParams API).
@@ -26,11 +27,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from model_shapes import make_shape_dirs  # noqa: E402
 
 
-def engine(name: str, model: Path, **kw):
-    if name == "vllm":
+def engine(a, model: Path, **kw):
+    if a.engine == "vllm":
         from vllm import LLM, SamplingParams
     else:
         from arcserve import LLM, SamplingParams
+    kw["enforce_eager"] = a.enforce_eager
+    if a.async_scheduling is not None:
+        kw["async_scheduling"] = a.async_scheduling == "on"
     llm = LLM(model=str(model), load_format="dummy", dtype="bfloat16", seed=0, **kw)
     return llm, SamplingParams
 
@@ -66,7 +70,7 @@ def bench_throughput(a, dirs) -> dict:
     rng = random.Random(0)
     reqs = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(256)]
     prompts = [{"prompt_token_ids": [rng.randrange(1000, 150000) for _ in range(i)]} for i, _ in reqs]
-    llm, SP = engine(a.engine, dirs["qwen3-0.6b"], max_model_len=4096, enforce_eager=a.enforce_eager)
+    llm, SP = engine(a, dirs["qwen3-0.6b"], max_model_len=4096)
     params = [SP(max_tokens=o, temperature=0.6, ignore_eos=True) for _, o in reqs]
     llm.generate(prompts[:8], [SP(max_tokens=16, ignore_eos=True)] * 8, use_tqdm=False)  # warm-up
     t = time.perf_counter()
@@ -81,7 +85,7 @@ def bench_throughput(a, dirs) -> dict:
 def bench_decode(a, dirs, name: str) -> dict:
     bw = copy_bandwidth()
     cfg = json.loads((dirs[name] / "config.json").read_text())
-    llm, SP = engine(a.engine, dirs[name], max_model_len=4096, enforce_eager=a.enforce_eager)
+    llm, SP = engine(a, dirs[name], max_model_len=4096)
     prompt = {"prompt_token_ids": list(range(1000, 1032))}
     llm.generate(prompt, SP(max_tokens=64, ignore_eos=True), use_tqdm=False)  # warm-up
     took = []
@@ -97,8 +101,7 @@ def bench_decode(a, dirs, name: str) -> dict:
 
 def bench_prefix(a, dirs) -> dict:
     rng = random.Random(1)
-    llm, SP = engine(a.engine, dirs["qwen3-0.6b"], max_model_len=8192, enforce_eager=a.enforce_eager,
-                     max_num_batched_tokens=8192)  # fmt: skip
+    llm, SP = engine(a, dirs["qwen3-0.6b"], max_model_len=8192, max_num_batched_tokens=8192)
     sp = SP(max_tokens=1, ignore_eos=True, temperature=0)
 
     def prompt(prefix):
@@ -127,6 +130,8 @@ def main() -> None:
                    choices=["all", "throughput", "decode", "decode-qwen3-0.6b", "decode-llama-3.1-8b", "prefix"])
     p.add_argument("--engine", default="arcserve", choices=["arcserve", "vllm"])
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", choices=["on", "off"], default=None,
+                   help="overlapped steps (default: the engine's own default, on for GPUs)")
     p.add_argument("--models", default="/tmp/arcserve-shapes")
     p.add_argument("--out", default=None, help="append the JSON result lines to this file")
     a = p.parse_args()
@@ -135,6 +140,7 @@ def main() -> None:
              "decode": ["decode-qwen3-0.6b", "decode-llama-3.1-8b"]}.get(a.which)  # fmt: skip
     if parts:  # one process each, so no engine's memory stays behind for the next
         flags = ["--engine", a.engine, "--models", a.models] + ["--enforce-eager"] * a.enforce_eager
+        flags += ["--async-scheduling", a.async_scheduling] if a.async_scheduling else []
         flags += ["--out", a.out] if a.out else []
         for part in parts:
             subprocess.run([sys.executable, __file__, part, *flags], check=False)
@@ -143,7 +149,7 @@ def main() -> None:
         r = bench_decode(a, dirs, a.which.removeprefix("decode-"))
     else:
         r = {"prefix": bench_prefix, "throughput": bench_throughput}[a.which](a, dirs)
-    r.update(engine=a.engine, enforce_eager=a.enforce_eager)
+    r.update(engine=a.engine, enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling or "default")
     print("RESULT " + json.dumps(r), flush=True)
     if a.out:
         with open(a.out, "a") as f:

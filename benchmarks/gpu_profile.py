@@ -88,10 +88,25 @@ def main() -> None:
                 reqs = [Request(f"r{i}", [1, 2, 3], sp, 8) for i in range(b)]
                 if kw and "seed" in kw:
                     for q in reqs:
-                        q.generator = torch.Generator(device=dev)
-                        q.generator.manual_seed(1)
+                        q.seed = 1
                 h, t = timed(lambda reqs=reqs, logits=logits: r.sampler(logits, reqs), 20, dev)
                 rows.append((f"sampler {label}, {b} rows", h, t))
+
+    # Device time per kernel of one eager batch-1 decode forward (what a decode graph replays).
+    ids = torch.randint(0, 100000, (1,), device=dev)
+    pos = torch.tensor([100], device=dev)
+    meta = _prefill_meta([101], 16, dev)
+    meta.host = {"query_start_loc": np.array([0, 1]), "seq_lens": np.array([101])}
+    meta.query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+    meta.slot_mapping = meta.slot_mapping[-1:]
+    m.forward(ids, pos, meta, r.kv_caches)
+    synchronize(dev)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        m.forward(ids, pos, meta, r.kv_caches)
+        m.logits(torch.randn(1, 1024, device=dev, dtype=torch.bfloat16))
+        synchronize(dev)
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=20, max_name_column_width=60))
 
     print(f"{'piece':55s} {'host ms':>9s} {'total ms':>9s}")
     for name, h, t in rows:

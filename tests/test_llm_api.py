@@ -253,17 +253,17 @@ def test_a_failing_step_fails_only_its_requests(llama_dir, monkeypatch):
     engine = LLMEngine(EngineArgs(model=str(llama_dir), dtype="float32", max_model_len=128))
     engine.add_request("a", "The quick", greedy(5))
     engine.add_request("b", "Paris", greedy(5))
-    real = engine.runner.execute
+    real = engine.runner.launch
 
     def broken(out):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(engine.runner, "execute", broken)
+    monkeypatch.setattr(engine.runner, "launch", broken)
     outs, failed, err = step_isolated(engine)
     assert outs == [] and sorted(failed) == ["a", "b"] and "injected" in repr(err)
     assert not engine.has_unfinished_requests() and engine.scheduler.kv.usage() == 0.0
     assert engine.get_metrics()["arcserve:request_success_total"] == {"abort": 2}
-    monkeypatch.setattr(engine.runner, "execute", real)
+    monkeypatch.setattr(engine.runner, "launch", real)
     engine.add_request("c", "The quick", greedy(5))
     done = []
     while engine.has_unfinished_requests():

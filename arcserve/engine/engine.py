@@ -17,7 +17,7 @@ from arcserve.engine.metrics import EngineMetrics
 from arcserve.engine.output_processor import OutputProcessor, RequestGroup
 from arcserve.engine.policy import make_policy
 from arcserve.engine.request import Request, RequestStatus
-from arcserve.engine.runner import ModelRunner, kv_cache_bytes_per_block, profile_peak_activations
+from arcserve.engine.runner import ModelRunner, StepHandle, kv_cache_bytes_per_block, profile_peak_activations
 from arcserve.engine.scheduler import Scheduler
 from arcserve.kernels import get_ops
 from arcserve.models.loader import load_model
@@ -29,6 +29,12 @@ logger = logging.getLogger("arcserve")
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 _CPU_KV_DEFAULT = 4 << 30
+
+
+def _needs_history(handle: StepHandle) -> bool:
+    """Penalties read every earlier token on the host, so a step with a penalized request that just
+    sampled waits for those tokens before the next step is launched."""
+    return any(s.sample and s.request.params.needs_penalties for s in handle.sched.seqs)
 
 
 class LLMEngine(InputProcessor):
@@ -63,6 +69,9 @@ class LLMEngine(InputProcessor):
         )  # fmt: skip
         self.outputs = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(self.max_model_len)
+        # Overlapped steps: on by default on GPUs; the synchronous loop stays for the CPU and debugging.
+        self.async_scheduling = args.async_scheduling if args.async_scheduling is not None else self.device.type != "cpu"
+        self._in_flight: StepHandle | None = None
 
     # ---- startup ----------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -121,10 +130,6 @@ class LLMEngine(InputProcessor):
         group, children = prepared
         if group.request_id in self.outputs.groups:
             raise ValueError(f"request_id {group.request_id!r} is already in use")
-        for req in children:
-            if req.seed is not None:
-                req.generator = torch.Generator(device=self.device)
-                req.generator.manual_seed(req.seed)
         self.outputs.add(group, children)
         for req in children:
             self.scheduler.add_request(req)
@@ -158,13 +163,38 @@ class LLMEngine(InputProcessor):
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One scheduling step. Synchronous: schedule, run, read the sampled tokens, emit outputs.
+        Overlapped (async_scheduling): schedule and launch step N+1, then read step N's tokens
+        (which the device finished while the host scheduled) and emit its outputs; step N+1 takes
+        step N's tokens on the device. Stops are applied one step late: a request that stopped at
+        step N computed one surplus token in step N+1, which is dropped."""
+        if not self.async_scheduling:
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                return []
+            handle = self.runner.launch(sched)
+            self.scheduler.on_launched(sched)
+            return self._finish(handle)
+        prev, self._in_flight = self._in_flight, None
+        outs: list[RequestOutput] = []
+        if prev is not None and _needs_history(prev):
+            outs, prev = self._finish(prev), None
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
-        result = self.runner.execute(sched)
+        if not sched.is_empty:
+            self._in_flight = self.runner.launch(sched)
+            self.scheduler.on_launched(sched)
+        if prev is not None:
+            outs = self._finish(prev)
+        return outs
+
+    def _finish(self, handle: StepHandle) -> list[RequestOutput]:
+        """Read a launched step's tokens (waiting for the device) and turn them into outputs."""
+        result = handle.result()
         for rid, entries in result.prompt_logprobs.items():
-            self.outputs.on_prompt_logprobs(self.scheduler.requests[rid], entries)
-        got = self.scheduler.update(sched, result.tokens)
+            req = self.scheduler.requests.get(rid)
+            if req is not None:
+                self.outputs.on_prompt_logprobs(req, entries)
+        got = self.scheduler.on_sampled(handle.sched, result.tokens)
         now = time.time()
         touched: dict[str, RequestGroup] = {}
         for req in got:

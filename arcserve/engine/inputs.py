@@ -97,7 +97,7 @@ class InputProcessor:
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             req = Request(child_id, ids, params, max_tokens, arrival, priority)
-            req.seed = None if params.seed is None else params.seed + i  # generator made by the engine
+            req.seed = None if params.seed is None else params.seed + i  # the sampler hashes it with the position
             if i > 0:
                 req.prompt_logprobs = None  # the prompt is the same for every child: compute once
             children.append(req)

@@ -42,6 +42,9 @@ class Request:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Sampled tokens still on the device (overlapped steps): they count for scheduling and
+        # sampling positions and reach token_ids when the host reads them, one step later.
+        self.num_pending = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -52,7 +55,6 @@ class Request:
         self.prompt_logprobs: SampleLogprobs | None = [None] if params.prompt_logprobs is not None else None
         self.num_preemptions = 0
         self.seed: int | None = None  # this sequence's seed (the request's seed + its index)
-        self.generator = None  # torch.Generator made from `seed` by the engine
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
 
     @property

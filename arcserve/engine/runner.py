@@ -16,7 +16,7 @@ import torch
 
 from arcserve.engine.sampler import Sampler
 from arcserve.engine.scheduler import SchedulerOutput
-from arcserve.engine.step_graphs import StepGraphs
+from arcserve.engine.step_graphs import StepGraphs, feed_tokens
 from arcserve.kernels.reference import AttentionMetadata
 from arcserve.models.decoder import DecoderModel
 from arcserve.outputs import Logprob
@@ -24,8 +24,12 @@ from arcserve.platform import (
     empty_cache,
     memory_allocated,
     memory_info,
+    new_event,
     reset_peak_memory,
     synchronize,
+    to_device,
+    to_host_async,
+    wait_event,
 )
 
 
@@ -34,6 +38,36 @@ class StepResult:
     tokens: dict[str, int]  # request id -> sampled token
     logprobs: dict[str, tuple[float, dict[int, Logprob]]]  # request id -> (token logprob, entries)
     prompt_logprobs: dict[str, list[dict[int, Logprob]]]  # request id -> entries for new prompt tokens
+
+
+@dataclass
+class StepHandle:
+    """A launched step: its sampled tokens (and logprobs) are being copied to the host behind the
+    step's work on the device. result() waits for them: the step's one host-device sync."""
+
+    sched: SchedulerOutput
+    reqs: list  # the sampling requests, in row order
+    prompt_logprobs: dict
+    tokens: torch.Tensor | None = None  # host (pinned) copies, valid after `event`
+    logprob_rows: list[int] | None = None
+    logprob_parts: tuple = ()  # token logprob, rank, top-k ids, top-k logprobs (or None)
+    event: object = None
+    k: list[int] | None = None  # logprobs asked for, per logprob row
+
+    def result(self) -> StepResult:
+        if self.tokens is None:
+            return StepResult({}, {}, self.prompt_logprobs)
+        wait_event(self.event)
+        tokens = self.tokens.tolist()
+        reqs = self.reqs
+        result = StepResult({r.request_id: t for r, t in zip(reqs, tokens)}, {}, self.prompt_logprobs)
+        if self.logprob_rows:
+            tok_lp, ranks, top_ids, top_lp = (x.tolist() if x is not None else None for x in self.logprob_parts)
+            for j, i in enumerate(self.logprob_rows):
+                req = reqs[i]
+                entries = _entries(tokens[i], tok_lp[j], ranks[j], top_ids, top_lp, j, req.params.logprobs)
+                result.logprobs[req.request_id] = (tok_lp[j], entries)
+        return result
 
 
 def kv_cache_bytes_per_block(model: DecoderModel, block_size: int) -> int:
@@ -108,6 +142,10 @@ class ModelRunner:
         )  # fmt: skip
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
         self.sampler = Sampler(self.device, seed)
+        # The previous step's sampled tokens (device) and the row of each request in them: the
+        # source of tokens that a step computes before the host has read them (overlapped steps).
+        self._last_tokens: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
         self.decode_mirror = None
         if model.ops.make_decode_mirror is not None:
             # Bounded by the KV cache's own size and a quarter of the memory free now.
@@ -118,7 +156,10 @@ class ModelRunner:
 
     def _host_inputs(self, out: SchedulerOutput) -> dict:
         """The step's flattened batch as numpy arrays: token ids, positions, query start offsets,
-        context lengths, block tables and the cache slot of every token."""
+        context lengths, block tables and the cache slot of every token. A token sampled by the
+        previous step and not yet read by the host is fed on the device: its id here is a
+        placeholder, and feed_dst / feed_src say where it goes and which row of the previous step's
+        sampled tokens holds it."""
         seqs = out.seqs
         bs = self.block_size
         starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=len(seqs))
@@ -127,28 +168,37 @@ class ModelRunner:
         qsl = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
         seq_lens = starts + q_lens
-        ids = np.fromiter(
-            itertools.chain.from_iterable(s.new_token_ids for s in seqs), dtype=np.int64, count=T
-        )
-        seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
-        positions = np.arange(T) - qsl[:-1][seq_of_token] + starts[seq_of_token]
         max_blocks = int(-(-seq_lens.max() // bs))
         tables = np.zeros((len(seqs), max_blocks), dtype=np.int64)
+        id_lists, feed_dst, feed_src = [], [], []
         for i, s in enumerate(seqs):
             nb = -(-int(seq_lens[i]) // bs)
             tables[i, :nb] = s.block_table[:nb]
+            known = s.new_token_ids
+            if len(known) < s.num_new_tokens:
+                rid = s.request.request_id
+                if len(known) != s.num_new_tokens - 1 or rid not in self._last_rows:
+                    raise RuntimeError(f"request {rid}: scheduled tokens that no step has sampled")
+                feed_dst.append(int(qsl[i + 1]) - 1)
+                feed_src.append(self._last_rows[rid])
+                known = known + [0]
+            id_lists.append(known)
+        ids = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int64, count=T)
+        seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
+        positions = np.arange(T) - qsl[:-1][seq_of_token] + starts[seq_of_token]
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
         seq_ids = np.fromiter((s.request.seq_no for s in seqs), dtype=np.int64, count=len(seqs))
         return {"ids": ids, "positions": positions, "q_lens": q_lens, "qsl": qsl, "seq_lens": seq_lens,
-                "tables": tables, "slots": slots, "seq_ids": seq_ids}  # fmt: skip
+                "tables": tables, "slots": slots, "seq_ids": seq_ids,
+                "feed_dst": np.asarray(feed_dst, dtype=np.int64), "feed_src": np.asarray(feed_src, dtype=np.int64)}  # fmt: skip
 
     def _prepare(self, h: dict) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         dev = self.device
         meta = AttentionMetadata(
-            query_start_loc=torch.from_numpy(h["qsl"].astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(h["seq_lens"].astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(h["tables"].astype(np.int32)).to(dev),
-            slot_mapping=torch.from_numpy(h["slots"]).to(dev),
+            query_start_loc=to_device(h["qsl"].astype(np.int32), dev),
+            seq_lens=to_device(h["seq_lens"].astype(np.int32), dev),
+            block_tables=to_device(h["tables"].astype(np.int32), dev),
+            slot_mapping=to_device(h["slots"], dev),
             host={
                 "query_start_loc": h["qsl"],
                 "seq_lens": h["seq_lens"],
@@ -156,7 +206,11 @@ class ModelRunner:
                 "decode_mirror": self.decode_mirror,
             },
         )
-        return torch.from_numpy(h["ids"]).to(dev), torch.from_numpy(h["positions"]).to(dev), meta
+        ids = to_device(h["ids"], dev)
+        if len(h["feed_dst"]):
+            feed = to_device(np.stack([h["feed_dst"], h["feed_src"]]), dev)
+            feed_tokens(ids, self._last_tokens, feed[0], feed[1], h["feed_dst"], h["feed_src"])
+        return ids, to_device(h["positions"], dev), meta
 
     # ---- graphs ---------------------------------------------------------------------------
     def capture_graphs(self, max_num_batched_tokens: int) -> int:
@@ -167,39 +221,44 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def launch(self, out: SchedulerOutput) -> StepHandle:
+        """Issue the step's work (forward, sampling, copies of the results to the host) without
+        waiting for the device (except for prompt logprobs, which are read at once)."""
         h = self._host_inputs(out)
         key = self.graphs.pick(h["q_lens"]) if self.graphs is not None else None
         if key is not None:  # the graph's output holds every token's hidden state, as the eager forward's
-            hidden = self.graphs.run(key, h)
+            hidden = self.graphs.run(key, h, self._last_tokens)
         else:
             ids, positions, meta = self._prepare(h)
             hidden = self.model.forward(ids, positions, meta, self.kv_caches)
-        prompt_lps = self._prompt_logprobs(out, hidden, h["qsl"])
+        handle = StepHandle(out, [], self._prompt_logprobs(out, hidden, h["qsl"]))
         sampling = [i for i, s in enumerate(out.seqs) if s.sample]
+        self._last_rows = {}
         if not sampling:
-            return StepResult({}, {}, prompt_lps)
+            return handle
         if len(sampling) == hidden.shape[0]:  # one sampled token per row (decode): no gather
             logits = self.model.logits(hidden)
         else:
             last = h["qsl"][1:][sampling] - 1
-            logits = self.model.logits(hidden[torch.from_numpy(last).to(self.device)])
-        return self._sample(out, logits, sampling, prompt_lps)
-
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor, sampling: list[int], prompt_lps: dict) -> StepResult:
+            logits = self.model.logits(hidden[to_device(last, self.device)])
         reqs = [out.seqs[i].request for i in sampling]
         so = self.sampler(logits, reqs)
-        tokens = so.tokens.tolist()  # the step's one host-device sync
-        result = StepResult({r.request_id: t for r, t in zip(reqs, tokens)}, {}, prompt_lps)
+        self._last_tokens = so.tokens
+        self._last_rows = {r.request_id: i for i, r in enumerate(reqs)}
+        handle.reqs = reqs
+        handle.tokens = to_host_async(so.tokens)
         if so.logprob_rows:
-            tok_lp, ranks = so.token_logprob.tolist(), so.token_rank.tolist()
-            top_ids = so.topk_ids.tolist() if so.topk_ids is not None else None
-            top_lp = so.topk_logprobs.tolist() if so.topk_logprobs is not None else None
-            for j, i in enumerate(so.logprob_rows):
-                req = reqs[i]
-                entries = _entries(tokens[i], tok_lp[j], ranks[j], top_ids, top_lp, j, req.params.logprobs)
-                result.logprobs[req.request_id] = (tok_lp[j], entries)
-        return result
+            handle.logprob_rows = so.logprob_rows
+            handle.logprob_parts = tuple(
+                to_host_async(x) if x is not None else None
+                for x in (so.token_logprob, so.token_rank, so.topk_ids, so.topk_logprobs)
+            )
+        handle.event = new_event(self.device)
+        return handle
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """launch and wait: one synchronous step."""
+        return self.launch(out).result()
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, qsl: np.ndarray) -> dict:
         """For requests that asked for prompt logprobs: the logprob (and top-k) of every prompt token

@@ -1,34 +1,63 @@
 """Sampler: logits of the sequences that sample this step -> next token ids (+ logprobs).
 
-The whole batch is processed with tensor ops; the only per-request work is building small parameter
-tensors and, for seeded requests, drawing their noise from their own generator (so a seeded request
-samples the same tokens whatever else is in the batch).
+The whole batch is processed with tensor ops. Per-request work is confined to the host: one pass over
+the requests packs their parameters into a few numpy arrays, which reach the device in one
+asynchronous copy each (the host never waits for the device here, so overlapped steps stay
+overlapped). No token-level Python loop, no per-request device op.
 
 Order of processing, as in vLLM: logprobs are taken from the raw logits; then logit_bias, min_tokens
 (stop tokens masked), repetition/frequency/presence penalties; greedy rows take the argmax; the other
 rows apply temperature, top-k, top-p and min-p and sample by inverse CDF: one uniform number per row
-(from the request's own generator when it has a seed) located in the row's cumulative distribution.
-That needs one random number per row instead of one per vocabulary entry.
+located in the row's cumulative distribution.
+
+The uniform numbers are drawn on the host. A seeded request's number is a hash of (its seed, the index
+of the token being sampled): counter-based, so a seeded request samples the same tokens whatever its
+batch mates, whether steps overlap, and after a preemption. Unseeded rows draw from the engine's
+generator (seeded by the engine seed).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from arcserve.engine.request import Request
+from arcserve.platform import to_device
+
+_M64 = (1 << 64) - 1
 
 
 @dataclass
 class SamplerOutput:
-    tokens: torch.Tensor  # [B] int64
+    tokens: torch.Tensor  # [B] int64, on the device
     # For rows that asked for logprobs (all on the device until the step's single sync):
     logprob_rows: list[int]
     topk_ids: torch.Tensor | None = None  # [R, K]
     topk_logprobs: torch.Tensor | None = None  # [R, K]
     token_logprob: torch.Tensor | None = None  # [R]
     token_rank: torch.Tensor | None = None  # [R]
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def seeded_uniform(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Uniform numbers in [0, 1), float32-exact (24 bits), as a pure function of (seed, position)."""
+    with np.errstate(over="ignore"):
+        h = _splitmix64(_splitmix64(seeds.astype(np.int64).view(np.uint64)) ^ positions.astype(np.uint64))
+    return (h >> np.uint64(40)).astype(np.float64) * 2.0**-24
+
+
+def num_sampled(req: Request) -> int:
+    """Output tokens before the one being sampled: those on the host plus those still on the device."""
+    return req.num_output_tokens + req.num_pending
 
 
 def _stop_ids(req: Request) -> list[int]:
@@ -39,30 +68,40 @@ def _stop_ids(req: Request) -> list[int]:
     return sorted(ids)
 
 
+def _flat(rows: list[int], lists: list) -> tuple[np.ndarray, np.ndarray]:
+    """(row index of each element, elements) of the concatenated lists."""
+    lens = np.fromiter((len(x) for x in lists), dtype=np.int64, count=len(lists))
+    vals = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=int(lens.sum()))
+    return np.repeat(np.asarray(rows, dtype=np.int64), lens), vals
+
+
 def apply_penalties(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
     """In place, for `rows`: repetition penalty over prompt and output tokens (divide positive
-    logits, multiply negative ones); frequency and presence penalties over output tokens."""
+    logits, multiply negative ones); frequency and presence penalties over output tokens.
+    Needs each request's whole history on the host (the engine drains overlapped steps first)."""
     V = logits.shape[1]
     dev = logits.device
-    counts = torch.zeros(len(rows), V, device=dev)
-    seen = torch.zeros(len(rows), V, dtype=torch.bool, device=dev)
-    for j, i in enumerate(rows):
-        req = reqs[i]
-        out = torch.tensor(req.output_token_ids, dtype=torch.long, device=dev)
-        out = out[out < V]
-        counts[j].index_add_(0, out, torch.ones(out.shape[0], device=dev))
-        prompt = torch.tensor(req.prompt_token_ids, dtype=torch.long, device=dev)
-        seen[j, prompt[prompt < V]] = True
-    seen |= counts > 0
+    sub_rows = list(range(len(rows)))
+    o_row, o_tok = _flat(sub_rows, [reqs[i].output_token_ids for i in rows])
+    p_row, p_tok = _flat(sub_rows, [reqs[i].prompt_token_ids for i in rows])
+    keep_o, keep_p = o_tok < V, p_tok < V  # a padded vocabulary may hold ids the model never makes
+    idx = np.concatenate([o_row[keep_o], o_tok[keep_o], p_row[keep_p], p_tok[keep_p], np.asarray(rows)])
     params = [reqs[i].params for i in rows]
-    rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
-    freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
-    idx = torch.tensor(rows, device=dev)
-    sub = logits[idx]
+    f = np.array([(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params], np.float32)
+    idx_d, f_d = to_device(idx, dev), to_device(f, dev)
+    no, np_ = int(keep_o.sum()), int(keep_p.sum())
+    o_row_d, o_tok_d = idx_d[:no], idx_d[no : 2 * no]
+    p_row_d, p_tok_d = idx_d[2 * no : 2 * no + np_], idx_d[2 * no + np_ : 2 * (no + np_)]
+    rows_d = idx_d[2 * (no + np_) :]
+    counts = torch.zeros(len(rows), V, device=dev)
+    counts.index_put_((o_row_d, o_tok_d), torch.ones(no, device=dev), accumulate=True)
+    seen = counts > 0
+    seen[p_row_d, p_tok_d] = True
+    rep, freq, pres = f_d[:, 0:1], f_d[:, 1:2], f_d[:, 2:3]
+    sub = logits[rows_d]
     sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
     sub = sub - freq * counts - pres * (counts > 0).float()
-    logits[idx] = sub
+    logits[rows_d] = sub
 
 
 def apply_top_k_top_p_min_p(
@@ -88,11 +127,14 @@ def apply_top_k_top_p_min_p(
     return logits
 
 
+# Columns of the per-row float parameters, copied to the device as one array.
+_TEMP, _TOP_P, _MIN_P, _TOP_K, _U = range(5)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
+        self.rng = np.random.default_rng(seed)
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         B, V = logits.shape
@@ -101,65 +143,81 @@ class Sampler:
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = logits.log_softmax(dim=-1) if lp_rows else None
 
-        if any(p.logit_bias for p in params) or any(p.needs_penalties for p in params) or any(
-            r.num_output_tokens < r.params.min_tokens for r in reqs
-        ):
-            logits = logits.clone()
-        for i, (r, p) in enumerate(zip(reqs, params)):
-            if p.logit_bias:
-                ids = torch.tensor([t for t in p.logit_bias if t < V], dtype=torch.long, device=dev)
-                vals = torch.tensor([b for t, b in p.logit_bias.items() if t < V], device=dev)
-                logits[i].index_add_(0, ids, vals)
-            if r.num_output_tokens < p.min_tokens:
-                stop = [t for t in _stop_ids(r) if t < V]
-                if stop:
-                    logits[i, stop] = float("-inf")
+        bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
+        mask_rows = [i for i, r in enumerate(reqs) if num_sampled(r) < r.params.min_tokens]
         pen_rows = [i for i, p in enumerate(params) if p.needs_penalties]
+        if bias_rows or mask_rows or pen_rows:
+            logits = logits.clone()
+        if bias_rows:
+            pairs = [[(t, b) for t, b in params[i].logit_bias.items() if t < V] for i in bias_rows]
+            rows = np.repeat(np.asarray(bias_rows, dtype=np.int64), [len(x) for x in pairs])
+            flat = [x for xs in pairs for x in xs]
+            ids = to_device(np.stack([rows, np.array([t for t, _ in flat], np.int64)]), dev)
+            vals = to_device(np.array([b for _, b in flat], np.float32), dev)
+            logits.index_put_((ids[0], ids[1]), vals.to(logits.dtype), accumulate=True)
+        if mask_rows:
+            rows, ids = _flat(mask_rows, [[t for t in _stop_ids(reqs[i]) if t < V] for i in mask_rows])
+            if len(ids):
+                ids_d = to_device(np.stack([rows, ids]), dev)
+                logits[ids_d[0], ids_d[1]] = float("-inf")
         if pen_rows:
             apply_penalties(logits, reqs, pen_rows)
 
-        rand = [i for i, p in enumerate(params) if not p.greedy]
-        if len(rand) == B:
-            tokens = self._sample(logits, reqs, rand)
-        else:
+        greedy = np.fromiter((p.greedy for p in params), dtype=bool, count=B)
+        if greedy.all():
             tokens = logits.argmax(dim=-1)
-            if rand:
-                tokens[rand] = self._sample(logits, reqs, rand)
+        else:
+            f = self._row_params(reqs, V)
+            f_d = to_device(f, dev)
+            sampled = self._sample(logits, f_d, f)
+            if greedy.any():
+                tokens = torch.where(f_d[:, _TEMP] == 0, logits.argmax(dim=-1), sampled)
+            else:
+                tokens = sampled
 
         out = SamplerOutput(tokens=tokens, logprob_rows=lp_rows)
         if lp_rows:
-            rows = torch.tensor(lp_rows, device=dev)
-            lp = raw_logprobs[rows]
+            if len(lp_rows) == B:
+                lp, toks = raw_logprobs, tokens
+            else:
+                rows_d = to_device(np.asarray(lp_rows, dtype=np.int64), dev)
+                lp, toks = raw_logprobs[rows_d], tokens[rows_d]
             k = max(params[i].logprobs for i in lp_rows)
             if k > 0:
                 out.topk_logprobs, out.topk_ids = lp.topk(k, dim=-1)
-            chosen = lp.gather(1, tokens[rows][:, None])
+            chosen = lp.gather(1, toks[:, None])
             out.token_logprob = chosen[:, 0]
             out.token_rank = (lp > chosen).sum(dim=-1) + 1
         return out
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> torch.Tensor:
-        dev = logits.device
-        params = [reqs[i].params for i in rows]
-        temp = torch.tensor([p.temperature for p in params], device=dev)
-        sub = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=dev)]
-        x = sub / temp[:, None]
-        V = x.shape[1]
-        top_k = top_p = min_p = None
-        if any(0 < p.top_k < V for p in params):
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=dev).clamp(max=V)
-        if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=dev)
-        if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=dev)
+    def _row_params(self, reqs: list[Request], V: int) -> np.ndarray:
+        """[B, 5] float32: temperature (0 = greedy), top_p, min_p, top_k (V = off), uniform number."""
+        B = len(reqs)
+        f = np.empty((B, 5), dtype=np.float32)
+        f[:, _TEMP] = [0.0 if r.params.greedy else r.params.temperature for r in reqs]
+        f[:, _TOP_P] = [r.params.top_p for r in reqs]
+        f[:, _MIN_P] = [r.params.min_p for r in reqs]
+        f[:, _TOP_K] = [r.params.top_k if 0 < r.params.top_k < V else V for r in reqs]
+        u = self.rng.random(B)
+        seeded = [i for i, r in enumerate(reqs) if r.seed is not None]
+        if seeded:
+            seeds = np.array([reqs[i].seed for i in seeded], dtype=np.int64)
+            pos = np.array([num_sampled(reqs[i]) for i in seeded], dtype=np.int64)
+            u[seeded] = seeded_uniform(seeds, pos)
+        f[:, _U] = np.minimum(u, 1.0 - 2.0**-24)  # float32 rounding must not reach 1
+        return f
+
+    def _sample(self, logits: torch.Tensor, f_d: torch.Tensor, f: np.ndarray) -> torch.Tensor:
+        V = logits.shape[1]
+        temp = f_d[:, _TEMP]
+        x = logits / torch.where(temp == 0, 1.0, temp)[:, None]
+        top_k = f_d[:, _TOP_K].long() if (f[:, _TOP_K] < V).any() else None
+        top_p = f_d[:, _TOP_P] if (f[:, _TOP_P] < 1.0).any() else None
+        min_p = f_d[:, _MIN_P] if (f[:, _MIN_P] > 0.0).any() else None
         x = apply_top_k_top_p_min_p(x, top_k, top_p, min_p)
         cdf = x.softmax(dim=-1).cumsum(dim=-1)
-        gens = [reqs[i].generator for i in rows]
-        if all(g is None for g in gens):
-            u = torch.rand(len(rows), 1, device=dev, generator=self.generator)
-        else:
-            u = torch.cat([torch.rand(1, device=dev, generator=g or self.generator) for g in gens])[:, None]
         # right=True: the first index whose cumulative mass exceeds u, so zero-probability tokens
         # (flat steps of the cdf) are never picked. u is scaled by the row total (float rounding).
+        u = f_d[:, _U : _U + 1]
         picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
         return picked.clamp_(max=V - 1)

@@ -22,7 +22,7 @@ from arcserve.engine.request import Request, RequestStatus
 
 @dataclass
 class ScheduledSeq:
-    request: Request  # read-only for the runner: sampling params, generator, token history
+    request: Request  # read-only for the runner: sampling params, seed, token history
     start_pos: int  # tokens already in the KV cache
     num_new_tokens: int  # tokens computed this step (positions start_pos ...)
     block_table: list[int]
@@ -30,6 +30,8 @@ class ScheduledSeq:
 
     @property
     def new_token_ids(self) -> list[int]:
+        """The new tokens known on the host; with overlapped steps the last one may still be on the
+        device (then this list is one shorter than num_new_tokens)."""
         return self.request.token_ids[self.start_pos : self.start_pos + self.num_new_tokens]
 
 
@@ -116,13 +118,18 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[str, ScheduledSeq] = {}
         # Decoding requests first, then those in the middle of a prefill; each group in admission order.
-        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        order = sorted(self.running, key=lambda r: r.num_tokens + r.num_pending - r.num_computed_tokens > 1)
         for req in order:
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            total = req.num_tokens + req.num_pending
+            if req.num_pending and (total - req.num_prompt_tokens >= req.max_tokens or total >= self.max_model_len):
+                continue  # its last token is being sampled now: it finishes when the host reads it
+            n = min(total - req.num_computed_tokens, budget)
+            if n <= 0:
+                continue
             while not self.kv.allocate(req, n):
                 victim = self.policy.pick_victim(self.running)
                 self._preempt(victim)
@@ -141,6 +148,8 @@ class Scheduler:
         now = time.time()
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self._waiting[0][2]
+            if req.num_pending:  # preempted while its token was on the device: wait until it is read
+                break
             cached = self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
             n = min(req.num_tokens - num_cached, budget)
@@ -168,7 +177,7 @@ class Scheduler:
             start_pos=req.num_computed_tokens,
             num_new_tokens=n,
             block_table=self.kv.block_table(req.request_id),
-            sample=req.num_computed_tokens + n == req.num_tokens,
+            sample=req.num_computed_tokens + n == req.num_tokens + req.num_pending,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -181,25 +190,43 @@ class Scheduler:
         heapq.heappush(self._waiting, (self.policy.key(req), req.seq_no, req))
 
     # ---- after the step ---------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, apply token-level stops.
-        Returns the requests that received a token (finished ones included, already freed)."""
-        got_token = []
+    def on_launched(self, out: SchedulerOutput) -> None:
+        """The step is on the device: its tokens count as computed; each sampling sequence has one
+        more token pending (on the device until on_sampled)."""
         for seq in out.seqs:
             req = seq.request
-            if req.status != RequestStatus.RUNNING:
-                continue
             req.num_computed_tokens += seq.num_new_tokens
-            self.kv.commit(req)
+            self.kv.commit(req)  # full blocks of known tokens only; pending ones wait for on_sampled
+            if seq.sample:
+                req.num_pending += 1
+
+    def on_sampled(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """The step's sampled tokens are on the host: append them and apply token-level stops.
+        A token of a request that ended while the step ran (abort, or a stop found one step late)
+        is surplus and dropped. Returns the requests that received a token (finished ones
+        included, already freed)."""
+        got_token = []
+        for seq in out.seqs:
             if not seq.sample:
+                continue
+            req = seq.request
+            req.num_pending -= 1
+            if req.is_finished:
                 continue
             token = sampled[req.request_id]
             req.token_ids.append(token)
+            if req.status == RequestStatus.RUNNING:  # (not when preempted after this step was launched)
+                self.kv.commit(req)
             got_token.append(req)
             status = self._check_stop(req, token)
             if status is not None:
                 self.finish_request(req.request_id, status)
         return got_token
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """on_launched then on_sampled: one synchronous step."""
+        self.on_launched(out)
+        return self.on_sampled(out, sampled)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         p = req.params

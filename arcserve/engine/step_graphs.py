@@ -21,7 +21,27 @@ import numpy as np
 import torch
 
 from arcserve.kernels.reference import AttentionMetadata
-from arcserve.platform import capture, compute_units, graph_pool, new_graph, pin_memory_available, synchronize
+from arcserve.platform import (
+    capture,
+    compute_units,
+    graph_pool,
+    new_event,
+    new_graph,
+    pin_memory_available,
+    synchronize,
+    wait_event,
+)
+
+
+def feed_tokens(ids: torch.Tensor, last: torch.Tensor, dst: torch.Tensor, src: torch.Tensor,
+                dst_h: np.ndarray, src_h: np.ndarray) -> None:
+    """ids[dst] = last[src] on the device (tokens sampled by the previous step, not yet on the host).
+    The common case, a decode batch in the previous step's order, is one slice copy."""
+    k = len(dst_h)
+    if dst_h[0] == 0 and dst_h[-1] == k - 1 and (src_h == np.arange(k)).all() and (dst_h == src_h).all():
+        ids[:k].copy_(last[:k])
+    else:
+        ids.index_copy_(0, dst.long(), last[src.long()].to(ids.dtype))
 
 
 def decode_sizes(max_num_seqs: int) -> list[int]:
@@ -57,22 +77,29 @@ class StepGraphs:
         max_blocks = -(-max_model_len // block_size)
 
         # Every input lives in one int32 device buffer, filled by one copy per step from a pinned
-        # host twin (one transfer instead of eight).
+        # host twin (one transfer instead of eight). Two host twins take turns, so the host can fill
+        # one for the next step while the copy of the other is still queued behind the running step.
         shapes = {"ids": (T,), "positions": (T,), "slots": (T,), "qsl": (S + 1,), "seq_lens": (S,),
-                  "tile_seq": (tiles,), "tile_q": (tiles,), "block_tables": (S, max_blocks)}  # fmt: skip
+                  "tile_seq": (tiles,), "tile_q": (tiles,), "feed_dst": (S,), "feed_src": (S,),
+                  "block_tables": (S, max_blocks)}  # fmt: skip
         total = sum(int(np.prod(v)) for v in shapes.values())
         self.buf = torch.zeros(total, dtype=torch.int32, device=dev)
-        self.hbuf = torch.zeros(total, dtype=torch.int32, pin_memory=pin_memory_available(dev))
-        self.st, self.hst, off = {}, {}, 0
+        pin = pin_memory_available(dev)
+        self.hbufs = [torch.zeros(total, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self.copied = [None, None]  # event after the last copy out of each host twin
+        self.turn = 0
+        self.st, self.hsts, off = {}, [{}, {}], 0
         for name, shape in shapes.items():
             n = int(np.prod(shape))
             self.st[name] = self.buf[off : off + n].view(shape)
-            self.hst[name] = self.hbuf[off : off + n].view(shape).numpy()
+            for hbuf, hst in zip(self.hbufs, self.hsts):
+                hst[name] = hbuf[off : off + n].view(shape).numpy()
             off += n
         self.bt_offset, self.max_blocks = off - S * max_blocks, max_blocks  # block tables come last
         for name in ("slots", "tile_seq"):
             self.st[name].fill_(-1)
-            self.hst[name][:] = -1
+            for hst in self.hsts:
+                hst[name][:] = -1
         self.graphs: dict[tuple[str, int], tuple] = {}
 
     def _max_tiles(self, tokens: int) -> int:
@@ -135,11 +162,15 @@ class StepGraphs:
             return "mixed", next(t for t in self.mixed if t >= T)
         return None
 
-    def run(self, key: tuple[str, int], h: dict) -> torch.Tensor:
-        """Fill the static inputs from the step's host arrays (runner._host_inputs), replay, and
-        return the hidden states of the step's T tokens (a view of the graph's output)."""
+    def run(self, key: tuple[str, int], h: dict, last_tokens: torch.Tensor | None) -> torch.Tensor:
+        """Fill the static inputs from the step's host arrays (runner._host_inputs) and the tokens
+        the previous step sampled on the device (last_tokens), replay, and return the hidden states
+        of the step's T tokens (a view of the graph's output)."""
         kind, size = key
-        hs = self.hst
+        turn = self.turn
+        self.turn ^= 1
+        wait_event(self.copied[turn])  # this twin's previous copy has been issued two steps ago
+        hs, hbuf = self.hsts[turn], self.hbufs[turn]
         Tg, _, tiles = self._shape(kind, size)
         qsl, n = h["qsl"], len(h["seq_lens"])
         T = int(qsl[-1])
@@ -153,11 +184,17 @@ class StepGraphs:
         hs["tile_seq"][: len(seq)] = seq
         hs["tile_seq"][len(seq) : tiles] = -1
         hs["tile_q"][: len(q0)] = q0
+        k = len(h["feed_dst"])
+        hs["feed_dst"][:k] = h["feed_dst"]
+        hs["feed_src"][:k] = h["feed_src"]
         tables = h["tables"]
         hs["block_tables"][:n, : tables.shape[1]] = tables
         end = self.bt_offset + n * self.max_blocks  # up to the last used row of the block tables
-        # Stream-ordered before the step's one sync, so the host buffer is free again after it.
-        self.buf[:end].copy_(self.hbuf[:end], non_blocking=True)
+        self.buf[:end].copy_(hbuf[:end], non_blocking=True)
+        self.copied[turn] = new_event(self.device)
+        if k:
+            st = self.st
+            feed_tokens(st["ids"], last_tokens, st["feed_dst"][:k], st["feed_src"][:k], h["feed_dst"], h["feed_src"])
         graph, hidden = self.graphs[key]
         graph.replay()
         return hidden[:T]

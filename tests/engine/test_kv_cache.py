@@ -274,6 +274,7 @@ class FakeRunner:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.bs = block_size
         self.slots: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.pending_writes = 0
 
     def execute(self, out, pool) -> None:
         for s in out.seqs:
@@ -281,13 +282,25 @@ class FakeRunner:
             assert s.num_new_tokens >= 1  # the last token always runs (it yields the logits)
             assert len(table) * self.bs >= s.start_pos + s.num_new_tokens
             for pos in range(s.start_pos):
-                assert self.slots[table[pos // self.bs]][pos % self.bs] == req.token_ids[pos], (
+                assert self.token_at(table[pos // self.bs], pos) == req.token_ids[pos], (
                     f"{req.request_id} reads a wrong token at position {pos}"
                 )
             for pos in range(s.start_pos, s.start_pos + s.num_new_tokens):
                 block = table[pos // self.bs]
                 assert pool.ref_cnt[block] == 1, f"write into shared block {block}"
-                self.slots[block][pos % self.bs] = req.token_ids[pos]
+                # Overlapped steps: the last token may still be "on the device" (sampled by the
+                # previous step, not yet appended): the slot remembers whose token it is.
+                known = pos < req.num_tokens
+                assert known or (pos == req.num_tokens and req.num_pending > 0 and s.sample)
+                self.slots[block][pos % self.bs] = req.token_ids[pos] if known else req
+                self.pending_writes += not known
+
+    def token_at(self, block: int, pos: int):
+        v = self.slots[block][pos % self.bs]
+        if isinstance(v, Request):  # a token that was pending when written: known by now
+            assert pos < v.num_tokens, f"{v.request_id}: position {pos} read before its token was sampled"
+            return v.token_ids[pos]
+        return v
 
 
 def check_invariants(sched: Scheduler, out) -> None:
@@ -313,7 +326,8 @@ def check_invariants(sched: Scheduler, out) -> None:
     assert len(sched.running) + sched.num_waiting == len(sched.requests)
     for req in sched.running:
         assert req.status == RequestStatus.RUNNING
-        assert req.num_computed_tokens <= req.num_tokens
+        assert req.num_computed_tokens <= req.num_tokens + req.num_pending
+        assert req.num_pending <= 2  # one step in flight (its token) plus the one being read
         assert len(kv.block_table(req.request_id)) * kv.block_size >= req.num_computed_tokens
     for _, _, req in sched._waiting:
         assert req.status == RequestStatus.WAITING
@@ -321,10 +335,13 @@ def check_invariants(sched: Scheduler, out) -> None:
         assert req.num_computed_tokens == 0
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
 @pytest.mark.parametrize("ending", ["drain", "abort"])
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_random_workload_invariants(seed, policy, ending):
+def test_random_workload_invariants(seed, policy, ending, overlap):
+    """Random arrivals, aborts and preemptions. Overlapped: step N+1 is scheduled and "run" before
+    step N's sampled tokens are appended (the engine's async_scheduling order)."""
     rng = random.Random(seed)
     num_blocks, max_model_len = 20, 64  # 80 token slots: preemption is frequent
     kv = KVCacheManager(num_blocks, BS)
@@ -337,6 +354,8 @@ def test_random_workload_invariants(seed, policy, ending):
     added: list[Request] = []
     num_added = num_aborted = 0
 
+    in_flight: list = []
+
     def step(i: int) -> None:
         out = sched.schedule()
         runner.execute(out, kv.pool)
@@ -344,7 +363,14 @@ def test_random_workload_invariants(seed, policy, ending):
             first_step.setdefault(s.request.request_id, i)
         assert not set(out.preempted) & {s.request.request_id for s in out.seqs}
         sampled = {s.request.request_id: rng.randrange(1000) for s in out.seqs if s.sample}
-        sched.update(out, sampled)
+        if not overlap:
+            sched.update(out, sampled)
+        else:
+            sched.on_launched(out)
+            if in_flight:
+                sched.on_sampled(*in_flight.pop())
+            if not out.is_empty:
+                in_flight.append((out, sampled))
         check_invariants(sched, out)
 
     for i in range(200):
@@ -370,18 +396,23 @@ def test_random_workload_invariants(seed, policy, ending):
         assert sched.running  # something left to abort
         for rid in list(sched.requests):
             sched.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+        if in_flight:  # tokens of aborted requests are dropped
+            assert sched.on_sampled(*in_flight.pop()) == []
         check_invariants(sched, sched.schedule())
     else:
         for i in range(200, 2200):
             if not sched.has_unfinished():
                 break
             step(i)
+        if in_flight:  # only surplus tokens of requests that ended meanwhile
+            assert sched.on_sampled(*in_flight.pop()) == []
     assert not sched.has_unfinished()
     assert not sched.running and sched.num_waiting == 0
     assert kv.pool.num_free == num_blocks
     assert kv.usage() == 0.0
     assert kv.blocks == {}
     assert num_added >= 30 and num_aborted > 0
+    assert (runner.pending_writes > 0) == overlap
     assert sched.num_preemptions > 0
     assert kv.prefix_hits > 0
     assert any(r.num_cached_tokens > 0 for r in added)  # first admissions served from the cache

@@ -19,8 +19,7 @@ _ids = iter(range(10**9))
 def make_req(params: SamplingParams, prompt=(5, 6, 7), output=(), seed: int | None = None) -> Request:
     req = Request(f"r{next(_ids)}", list(prompt), params, max_tokens=1000)
     req.token_ids.extend(output)  # simulated history of generated tokens
-    if seed is not None:
-        req.generator = torch.Generator().manual_seed(seed)
+    req.seed = seed
     return req
 
 
@@ -301,6 +300,47 @@ def test_seeded_request_same_tokens_alone_and_in_any_batch():
     assert other.output_token_ids != alone
 
 
+def test_seeded_numbers_are_uniform_and_keyed_by_seed_and_position():
+    import numpy as np
+
+    from arcserve.engine.sampler import seeded_uniform
+
+    pos = np.arange(200_000)
+    u = seeded_uniform(np.full(pos.shape, 7), pos)
+    assert u.min() >= 0 and u.max() < 1
+    counts = np.histogram(u, bins=10, range=(0, 1))[0]
+    assert chi_square(counts.tolist(), [0.1] * 10) < 27.877  # 9 degrees of freedom, p = 0.001
+    assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.01  # successive positions uncorrelated
+    v = seeded_uniform(np.full(pos.shape, 8), pos)
+    assert abs(np.corrcoef(u, v)[0, 1]) < 0.01  # neighbouring seeds too
+    assert (seeded_uniform(np.full(pos.shape, 7), pos) == u).all()
+    assert seeded_uniform(np.array([-(2**63), 2**63 - 1]), np.array([0, 0])).tolist() != [u[0], u[0]]
+
+
+def test_pending_tokens_count_for_the_sampled_position():
+    """With overlapped steps a request samples while its previous token is still on the device:
+    its position (seed stream, min_tokens) counts that token."""
+    row = torch.randn(50, generator=torch.Generator().manual_seed(3))
+    a = make_req(SamplingParams(temperature=1.0), output=[1, 2, 3], seed=5)
+    b = make_req(SamplingParams(temperature=1.0), output=[1, 2], seed=5)
+    b.num_pending = 1
+    draws_a, draws_b = [], []
+    for _ in range(30):
+        draws_a.append(Sampler(CPU, 0)(row[None].clone(), [a]).tokens.item())
+        draws_b.append(Sampler(CPU, 1)(row[None].clone(), [b]).tokens.item())
+        a.token_ids.append(draws_a[-1])
+        b.token_ids.append(draws_b[-1])
+    assert draws_a == draws_b and len(set(draws_a)) > 5
+    # min_tokens: 2 outputs + 1 pending = 3 sampled; min_tokens=3 no longer masks EOS.
+    logits = torch.tensor([[0.0, 5.0, 0.0]])
+    p = SamplingParams(temperature=0, min_tokens=3)
+    p._eos_token_ids = frozenset({1})
+    c = make_req(p, output=[0, 0])
+    assert Sampler(CPU, 0)(logits.clone(), [c]).tokens.item() != 1
+    c.num_pending = 1
+    assert Sampler(CPU, 0)(logits.clone(), [c]).tokens.item() == 1
+
+
 CHI2_DF3_P001 = 16.266  # chi-square critical value, 3 degrees of freedom, false-alarm rate 0.001
 
 
@@ -313,10 +353,13 @@ def test_sampled_frequencies_match_distribution():
     probs = [0.1, 0.2, 0.3, 0.4]
     row = logits_of(probs)
     n = 4000
-    # (a) one seeded request drawing n times, one token per step
+    # (a) one seeded request drawing n times, one token per step (its number is a function of the
+    # seed and of how many tokens it has sampled, so the history grows as in the engine)
     req = make_req(SamplingParams(temperature=1.0), seed=2024)
     sampler = Sampler(CPU, 0)
-    seq = [sampler(row[None].clone(), [req]).tokens.item() for _ in range(n)]
+    for _ in range(n):
+        req.token_ids.append(sampler(row[None].clone(), [req]).tokens.item())
+    seq = req.output_token_ids
     # (b) n unseeded rows in one batch, from the sampler's generator
     batch = draw(row, SamplingParams(temperature=1.0), n, seed=2024)
     for toks in (seq, batch):

@@ -30,10 +30,12 @@ def test_graph_sizes():
     assert mixed_sizes(4096) == [256, 512, 1024, 2048, 3072, 4096]
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_graph_path_matches_transformers(tiny_dirs, expected, arch):  # noqa: F811
+def test_graph_path_matches_transformers(tiny_dirs, expected, arch, overlap):  # noqa: F811
+    """Overlapped: each step's graph takes the previous step's sampled tokens on the device."""
     llm = LLM(str(tiny_dirs[arch]), dtype="float32", kernels="triton", device=DEVICE.type, max_num_seqs=6,
-              max_num_batched_tokens=300, enable_prefix_caching=False)  # fmt: skip
+              max_num_batched_tokens=300, enable_prefix_caching=False, async_scheduling=overlap)  # fmt: skip
     runner = llm.llm_engine.runner
     if DEVICE.type == "cpu":
         sg = StepGraphs(runner.model, runner.kv_caches, runner.block_size, runner.max_model_len, 6, 300)

@@ -1,0 +1,182 @@
+"""Overlapped steps (async_scheduling): the engine schedules and launches step N+1 before it reads
+step N's sampled tokens, which reach step N+1 on the device. The outputs must be those of the
+synchronous loop for every kind of request (greedy, seeded sampling, n > 1, stop strings and token
+ids, min_tokens, logprobs, prompt logprobs, penalties, max_tokens 1), under chunked prefill,
+preemption, prefix-cache hits and aborts, and no KV block may leak."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE
+
+from arcserve import EngineArgs, LLMEngine, SamplingParams
+
+
+def make_engine(model_dir, overlap: bool, **kw) -> LLMEngine:
+    args = dict(model=str(model_dir), dtype="float32", device=DEVICE.type, max_model_len=128, block_size=16,
+                num_kv_blocks=12, max_num_seqs=6, max_num_batched_tokens=32, async_scheduling=overlap)  # fmt: skip
+    args.update(kw)
+    return LLMEngine(EngineArgs(**args))
+
+
+def prompts(tok) -> list[list[int]]:
+    shared = tok.encode("The history of the quick brown fox who jumped over the lazy dog, told twice")
+    texts = ["Paris is", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,", "The quick", "Hello there"]
+    return [tok.encode(t) for t in texts] + [shared + tok.encode(t) for t in (" again", " once more")]
+
+
+def drive(engine: LLMEngine, script: dict[int, list], aborts: dict[int, list[str]]) -> dict:
+    """Add requests and abort them at given step numbers; returns the finished outputs by id."""
+    done, step = {}, 0
+    while step <= max(script) or engine.has_unfinished_requests():
+        for rid, prompt, params in script.get(step, []):
+            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        for rid in aborts.get(step, []):
+            engine.abort_request(rid)
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in done
+                done[out.request_id] = out
+        step += 1
+        assert step < 2000
+    return done
+
+
+def summary(out) -> list:
+    rows = []
+    for c in out.outputs:
+        lps = None if c.logprobs is None else [{t: round(e.logprob, 4) for t, e in d.items()} for d in c.logprobs]
+        rows.append((c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason, lps))
+    plp = None if out.prompt_logprobs is None else [
+        None if d is None else {t: round(e.logprob, 4) for t, e in d.items()} for d in out.prompt_logprobs
+    ]  # fmt: skip
+    return [rows, plp, out.num_cached_tokens > 0]
+
+
+@pytest.fixture(scope="module")
+def workload(llama_dir):
+    """A script of requests whose stops are taken from a plain greedy run, so they do fire."""
+    ref = make_engine(llama_dir, False, num_kv_blocks=64)
+    tok = ref.tokenizer
+    ps = prompts(tok)
+    base = drive(ref, {0: [("g", ps[2], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))]}, {})
+    g = base["g"].outputs[0]
+    stop_str, stop_tok = g.text[len(g.text) // 3 : len(g.text) // 3 + 4], g.token_ids[12]
+    assert stop_str.strip() and g.token_ids.index(stop_tok) > 4
+    greedy = dict(temperature=0, ignore_eos=True)
+    script = {
+        0: [
+            ("greedy", ps[0], SamplingParams(max_tokens=30, **greedy)),
+            ("topp", ps[1], SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=25, ignore_eos=True)),
+            ("n2", ps[3], SamplingParams(n=2, temperature=1.0, top_k=20, seed=2, max_tokens=15, ignore_eos=True)),
+        ],
+        1: [
+            ("stopstr", ps[2], SamplingParams(stop=[stop_str], max_tokens=40, **greedy)),
+            ("stoptok", ps[2], SamplingParams(stop_token_ids=[stop_tok], max_tokens=40, **greedy)),
+            ("one", ps[4], SamplingParams(max_tokens=1, **greedy)),
+        ],
+        3: [
+            ("logprobs", ps[5], SamplingParams(logprobs=3, prompt_logprobs=2, max_tokens=10, **greedy)),
+            ("penalty", ps[0], SamplingParams(temperature=0.7, presence_penalty=0.5, repetition_penalty=1.3,
+                                              frequency_penalty=0.2, seed=3, max_tokens=20, ignore_eos=True)),
+            ("minp", ps[1], SamplingParams(temperature=1.2, min_p=0.05, seed=4, max_tokens=20, min_tokens=15,
+                                           stop_token_ids=[stop_tok, g.token_ids[3]])),
+        ],
+        6: [
+            ("shared1", ps[6], SamplingParams(max_tokens=12, **greedy)),
+            ("aborted", ps[4], SamplingParams(max_tokens=40, **greedy)),
+        ],
+        9: [("shared2", ps[7], SamplingParams(max_tokens=12, **greedy))],
+    }
+    return script, {12: ["aborted"]}, (stop_str, stop_tok)
+
+
+def trace(engine: LLMEngine) -> list[tuple[str, int]]:
+    """Log ("launch", k, penalized) and ("read", k) events of the engine's steps."""
+    events: list[tuple[str, int]] = []
+    launch, finish = engine.runner.launch, engine._finish
+    counter = iter(range(10**6))
+
+    def traced_launch(out):
+        handle = launch(out)
+        handle.step_no = next(counter)
+        handle.penalized = any(s.sample and s.request.params.needs_penalties for s in out.seqs)
+        events.append(("launch", handle.step_no, handle.penalized))
+        return handle
+
+    def traced_finish(handle):
+        events.append(("read", handle.step_no))
+        return finish(handle)
+
+    engine.runner.launch, engine._finish = traced_launch, traced_finish
+    return events
+
+
+def test_overlapped_steps_give_the_synchronous_outputs(llama_dir, workload):
+    script, aborts, (stop_str, stop_tok) = workload
+    results, events = {}, {}
+    for overlap in (False, True):
+        engine = make_engine(llama_dir, overlap)
+        assert engine.async_scheduling is overlap
+        events[overlap] = trace(engine)
+        done = drive(engine, script, aborts)
+        assert "aborted" not in done
+        # Nothing leaks: every request ended, every block is free (cached prefixes stay, unreferenced).
+        assert not engine.scheduler.requests and not engine.outputs.groups
+        assert engine.scheduler.kv.usage() == 0.0 and engine.scheduler.kv.blocks == {}
+        assert engine.scheduler.num_preemptions > 0  # the small cache forced some
+        results[overlap] = {rid: summary(o) for rid, o in done.items()}
+    sync, overlapped = results[False], results[True]
+    assert sorted(sync) == sorted(overlapped)
+    for rid in sync:
+        assert overlapped[rid] == sync[rid], rid
+    # The stops fired (not the length limit) and the stop string was trimmed.
+    assert sync["stopstr"][0][0][3:5] == ("stop", stop_str) and stop_str not in sync["stopstr"][0][0][2]
+    assert sync["stoptok"][0][0][3:5] == ("stop", stop_tok)
+    assert len(sync["one"][0][0][1]) == 1 and len(sync["minp"][0][0][1]) >= 15
+    assert sync["shared2"][2]  # a prefix-cache hit
+
+    # Synchronous: every step is read before the next is launched. Overlapped: step k+1 launches
+    # before step k is read, unless step k sampled for a penalized request (penalties need the
+    # whole history on the host): then step k is read first.
+    def order(ev):
+        at = {(e[0], e[1]): i for i, e in enumerate(ev)}
+        penalized = {e[1] for e in ev if e[0] == "launch" and e[2]}
+        n = sum(1 for e in ev if e[0] == "launch")
+        early = [k for k in range(n - 1) if at[("launch", k + 1)] < at[("read", k)]]
+        return n, early, penalized
+
+    n, early, _ = order(events[False])
+    assert early == [] and n > 20
+    n, early, penalized = order(events[True])
+    assert penalized and set(early) == set(range(n - 1)) - penalized
+
+
+def test_overlapped_seeded_sampling_matches_alone(llama_dir):
+    """A seeded request samples the same tokens alone, in a batch, overlapped or not."""
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=123, max_tokens=24, ignore_eos=True)
+    outs = []
+    for overlap, mates in ((False, 0), (True, 0), (True, 4), (False, 4)):
+        engine = make_engine(llama_dir, overlap, num_kv_blocks=64)
+        script = {0: [("s", [5, 6, 7, 8], params)]}
+        script[1] = [(f"m{i}", [9 + i, 3], SamplingParams(temperature=1.0, max_tokens=30)) for i in range(mates)]
+        outs.append(drive(engine, script, {})["s"].outputs[0].token_ids)
+    assert len(set(outs[0])) > 5 and all(o == outs[0] for o in outs)
+
+
+def test_overlapped_engine_is_reusable_after_idle(llama_dir):
+    """A stop found one step late leaves a surplus step in flight; the next requests start cleanly."""
+    engine = make_engine(llama_dir, True, num_kv_blocks=64)
+    ref = make_engine(llama_dir, False, num_kv_blocks=64)
+    for round_ in range(3):
+        script = {0: [(f"r{round_}", [4 + round_, 5, 6], SamplingParams(temperature=0, max_tokens=8 + round_))]}
+        got = drive(engine, script, {})[f"r{round_}"].outputs[0].token_ids
+        assert got == drive(ref, script, {})[f"r{round_}"].outputs[0].token_ids
+        assert engine.scheduler.kv.usage() == 0.0
+
+
+def test_async_scheduling_default_follows_the_device(llama_dir):
+    engine = LLMEngine(EngineArgs(model=str(llama_dir), dtype="float32", device=DEVICE.type, max_model_len=64))
+    assert engine.async_scheduling is (DEVICE.type != "cpu")
+    assert torch.device(DEVICE.type) == engine.device
