@@ -141,7 +141,7 @@ class ModelRunner:
             dtype=model.dtype, device=self.device,
         )  # fmt: skip
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
-        self.sampler = Sampler(self.device, seed)
+        self.sampler = Sampler(self.device, seed, model.ops.sample_from_cdf)
         # The previous step's sampled tokens (device) and the row of each request in them: the
         # source of tokens that a step computes before the host has read them (overlapped steps).
         self._last_tokens: torch.Tensor | None = None

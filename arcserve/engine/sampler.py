@@ -8,7 +8,7 @@ overlapped). No token-level Python loop, no per-request device op.
 Order of processing, as in vLLM: logprobs are taken from the raw logits; then logit_bias, min_tokens
 (stop tokens masked), repetition/frequency/presence penalties; greedy rows take the argmax; the other
 rows apply temperature, top-k, top-p and min-p and sample by inverse CDF: one uniform number per row
-located in the row's cumulative distribution.
+located in the row's cumulative distribution (kernels' sample_from_cdf: one Triton pass on GPUs).
 
 The uniform numbers are drawn on the host. A seeded request's number is a hash of (its seed, the index
 of the token being sampled): counter-based, so a seeded request samples the same tokens whatever its
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from arcserve.engine.request import Request
+from arcserve.kernels import reference
 from arcserve.platform import to_device
 
 _M64 = (1 << 64) - 1
@@ -128,13 +129,14 @@ def apply_top_k_top_p_min_p(
 
 
 # Columns of the per-row float parameters, copied to the device as one array.
-_TEMP, _TOP_P, _MIN_P, _TOP_K, _U = range(5)
+_TEMP, _INV_T, _TOP_P, _MIN_P, _TOP_K, _U = range(6)
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int) -> None:
+    def __init__(self, device: torch.device, seed: int, sample_from_cdf=reference.sample_from_cdf) -> None:
         self.device = device
         self.rng = np.random.default_rng(seed)
+        self.sample_from_cdf = sample_from_cdf  # the kernel namespace's (Triton on GPUs)
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         B, V = logits.shape
@@ -191,10 +193,12 @@ class Sampler:
         return out
 
     def _row_params(self, reqs: list[Request], V: int) -> np.ndarray:
-        """[B, 5] float32: temperature (0 = greedy), top_p, min_p, top_k (V = off), uniform number."""
+        """[B, 6] float32: temperature (0 = greedy), its inverse (1 for greedy), top_p, min_p,
+        top_k (V = off), uniform number."""
         B = len(reqs)
-        f = np.empty((B, 5), dtype=np.float32)
+        f = np.empty((B, 6), dtype=np.float32)
         f[:, _TEMP] = [0.0 if r.params.greedy else r.params.temperature for r in reqs]
+        f[:, _INV_T] = 1.0 / np.where(f[:, _TEMP] == 0, 1.0, f[:, _TEMP])
         f[:, _TOP_P] = [r.params.top_p for r in reqs]
         f[:, _MIN_P] = [r.params.min_p for r in reqs]
         f[:, _TOP_K] = [r.params.top_k if 0 < r.params.top_k < V else V for r in reqs]
@@ -209,15 +213,12 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, f_d: torch.Tensor, f: np.ndarray) -> torch.Tensor:
         V = logits.shape[1]
-        temp = f_d[:, _TEMP]
-        x = logits / torch.where(temp == 0, 1.0, temp)[:, None]
+        inv_t = f_d[:, _INV_T]
         top_k = f_d[:, _TOP_K].long() if (f[:, _TOP_K] < V).any() else None
         top_p = f_d[:, _TOP_P] if (f[:, _TOP_P] < 1.0).any() else None
         min_p = f_d[:, _MIN_P] if (f[:, _MIN_P] > 0.0).any() else None
-        x = apply_top_k_top_p_min_p(x, top_k, top_p, min_p)
-        cdf = x.softmax(dim=-1).cumsum(dim=-1)
-        # right=True: the first index whose cumulative mass exceeds u, so zero-probability tokens
-        # (flat steps of the cdf) are never picked. u is scaled by the row total (float rounding).
-        u = f_d[:, _U : _U + 1]
-        picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
-        return picked.clamp_(max=V - 1)
+        if top_k is not None or top_p is not None or min_p is not None:
+            # the filters act on the temperature-scaled distribution
+            logits = apply_top_k_top_p_min_p(logits * inv_t[:, None], top_k, top_p, min_p)
+            inv_t = torch.ones_like(inv_t)
+        return self.sample_from_cdf(logits, inv_t, f_d[:, _U].contiguous())

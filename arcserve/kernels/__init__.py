@@ -1,6 +1,7 @@
 """Kernel selection: `torch` = the pure-PyTorch twins in reference.py (the CPU path); `triton` = the
 Triton kernels (GPUs, or the CPU under TRITON_INTERPRET=1); `auto` = Triton on GPUs, torch on CPU.
-Matmuls are PyTorch's (cuBLAS / oneDNN / ...) in both. The namespace holds what the model calls."""
+Matmuls are PyTorch's (cuBLAS / oneDNN / ...) in both, except one-row products with small matrices (decode at
+batch 1), which the Triton path runs as a matrix-vector kernel (triton_linear.py). The namespace holds what the model calls."""
 
 from __future__ import annotations
 
@@ -38,18 +39,21 @@ def get_ops(kernels: str, device: torch.device) -> SimpleNamespace:
         silu_and_mul=reference.silu_and_mul,
         rope_cos_sin=reference.rope_cos_sin,
         qkv_prepare=reference.qkv_prepare,
+        sample_from_cdf=reference.sample_from_cdf,
         # CPU decode attention reads a dense mirror of the decoding sequences' KV (cpu_attention.py).
         paged_attention=cpu_attention.paged_attention if cpu else reference.paged_attention,
         make_decode_mirror=cpu_attention.DecodeMirror if cpu else None,
     )
     if name == "triton":
-        from arcserve.kernels import triton_attention, triton_ops
+        from arcserve.kernels import triton_attention, triton_linear, triton_ops, triton_sampling
 
         ops.update(
+            linear=triton_linear.linear,
             fused_add_rms_norm=triton_ops.fused_add_rms_norm,
             silu_and_mul=triton_ops.silu_and_mul,
             rope_cos_sin=triton_ops.rope_cos_sin,
             qkv_prepare=triton_ops.qkv_prepare,
+            sample_from_cdf=triton_sampling.sample_from_cdf,
             paged_attention=triton_attention.paged_attention,
             make_decode_mirror=None,
         )

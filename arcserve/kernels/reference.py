@@ -55,6 +55,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
+def sample_from_cdf(x: torch.Tensor, inv_temp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: per row, the first token whose cumulative probability under
+    softmax(x * inv_temp) exceeds u (in [0, 1)). Tokens at -inf (filtered out) are never picked."""
+    cdf = (x * inv_temp[:, None]).softmax(dim=-1).cumsum(dim=-1)
+    # right=True: the first index whose cumulative mass exceeds u, so zero-probability tokens
+    # (flat steps of the cdf) are never picked. u is scaled by the row total (float rounding).
+    picked = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)[:, 0]
+    return picked.clamp_(max=x.shape[1] - 1)
+
+
 def rope_cos_sin(cos_sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
     """The step's rotary context for rotary_embedding: per-token (cos, sin), each
     [T, 1, rot_dim // 2] in `dtype`; computed once per step. (cos_sin: [max_pos, rot_dim], the

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import DEVICE
 
-from arcserve.kernels import reference, triton_attention, triton_ops
+from arcserve.kernels import reference, triton_attention, triton_linear, triton_ops, triton_sampling
 from arcserve.kernels.reference import AttentionMetadata
 from arcserve.models.config import _llama3_inv_freq
 
@@ -84,6 +84,43 @@ def test_rotary_embedding(dtype, neox, heads, head_dim, rot, llama3):
 def test_silu_and_mul(dtype, rows, inter):
     x = rand(rows, 2 * inter, dtype=dtype)
     assert rel_err(triton_ops.silu_and_mul(x), reference.silu_and_mul(x)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 1, 64), (1, 1000, 100), (2, 7, 1024), (3, 300, 96), (4, 512, 256)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_linear(dtype, m, n, k, bias):
+    x = rand(m, k + 8, dtype=dtype)[:, 3 : 3 + k]  # rows with a stride, as views of wider tensors are
+    w, b = rand(n, k, dtype=dtype, scale=0.1), rand(n, dtype=dtype) if bias else None
+    y = triton_linear.gemv(x, w, b)
+    assert y.shape == (m, n) and y.dtype == dtype
+    ref = reference.linear(x.double(), w.double(), None if b is None else b.double())
+    assert rel_err(y, ref) < TOL[dtype] / 2
+    # linear() takes the kernel up to MAX_ROWS rows (small matrices) and the library GEMM beyond
+    assert rel_err(triton_linear.linear(x, w, b), ref) < TOL[dtype] / 2
+    xs = rand(triton_linear.MAX_ROWS + 1, k, dtype=dtype)
+    assert rel_err(triton_linear.linear(xs, w, b), reference.linear(xs.double(), w.double(), None if b is None else b.double())) < TOL[dtype]
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 5), (7, 1000), (33, 5000)])
+def test_sample_from_cdf_matches_twin(rows, vocab):
+    x = rand(rows, vocab, scale=3.0)
+    x[torch.rand(rows, vocab, device=DEVICE) < 0.3] = float("-inf")  # filtered-out tokens
+    x[:, 0] = 0.0  # every row keeps at least one token
+    inv_t = torch.rand(rows, device=DEVICE) * 2 + 0.25
+    u = torch.rand(rows, device=DEVICE)
+    got = triton_sampling.sample_from_cdf(x, inv_t, u)
+    assert got.tolist() == reference.sample_from_cdf(x, inv_t, u).tolist()
+    assert torch.isfinite(x.gather(1, got[:, None])).all()  # never a filtered token
+    # The ends of the distribution: u = 0 gives the first allowed token; u -> 1 an allowed token at
+    # least as late as u = 0.99 gives (which one, among the last of negligible mass, is rounding).
+    idx = torch.arange(vocab, device=DEVICE).expand(rows, -1)
+    lo = triton_sampling.sample_from_cdf(x, inv_t, torch.zeros(rows, device=DEVICE))
+    assert lo.tolist() == torch.where(torch.isfinite(x), idx, vocab).min(1).values.tolist()
+    u1 = torch.full((rows,), 1 - 2**-24, device=DEVICE)
+    hi = triton_sampling.sample_from_cdf(x, inv_t, u1)
+    assert (hi >= reference.sample_from_cdf(x, inv_t, u1 * 0 + 0.99)).all()
+    assert torch.isfinite(x.gather(1, hi[:, None])).all()
 
 
 @pytest.mark.parametrize("kvh,head_dim", [(1, 64), (3, 64), (2, 128)])

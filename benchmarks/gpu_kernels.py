@@ -1,0 +1,160 @@
+"""Each GPU kernel against its floor: bytes it must move over the measured copy bandwidth, or FLOPs
+over the measured bf16 matmul rate (whichever is larger). Shapes of the Qwen3-0.6B and Llama-3.1-8B
+decoders in bf16. Every kernel is captured 20 times into a graph and timed by replays (so launch
+gaps do not count), over enough copies of its inputs to miss the L2 cache.
+
+    python benchmarks/gpu_kernels.py            # prints one table: us, floor us, % of floor
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from arcserve.kernels import reference, triton_attention, triton_linear, triton_ops
+from arcserve.kernels.reference import AttentionMetadata
+from arcserve.platform import capture, graph_pool, new_graph, resolve_device, synchronize
+
+DEV = resolve_device("auto")
+BF16 = torch.bfloat16
+L2_MISS_BYTES = 512 << 20  # inputs rotated over at least this many bytes
+
+
+def graph_time(fns: list, reps: int = 20) -> float:
+    """Median microseconds per call of fns (cycled), captured `reps` times into one graph."""
+    for f in fns:
+        f()
+    synchronize(DEV)
+    g = new_graph(DEV)
+    with capture(g, DEV, graph_pool(DEV)):
+        for i in range(reps):
+            fns[i % len(fns)]()
+    g.replay()
+    synchronize(DEV)
+    times = []
+    for _ in range(15):
+        t = time.perf_counter()
+        g.replay()
+        synchronize(DEV)
+        times.append((time.perf_counter() - t) / reps)
+    return float(np.median(times)) * 1e6
+
+
+def copies(make, nbytes: int) -> list:
+    return [make() for _ in range(max(1, min(32, -(-L2_MISS_BYTES // max(nbytes, 1)))))]
+
+
+def measure_ceilings() -> tuple[float, float]:
+    """Copy bandwidth as gpu_bench.py measures it (a copy inside a graph runs slower), matmul rate."""
+    from gpu_bench import copy_bandwidth
+
+    bw = copy_bandwidth()
+    a = torch.randn(8192, 8192, device=DEV, dtype=BF16)
+    b = torch.randn(8192, 8192, device=DEV, dtype=BF16)
+    flops = 2 * 8192**3 / (graph_time([lambda: a @ b], 5) * 1e-6)
+    return bw, flops
+
+
+def decode_meta(batch: int, ctx: int, kvh: int, bs: int = 16):
+    """Decode metadata: `batch` sequences of `ctx` tokens over distinct random blocks."""
+    nb = -(-ctx // bs)
+    perm = torch.randperm(batch * nb).view(batch, nb).int()
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=DEV),
+        seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=DEV),
+        block_tables=perm.to(DEV), slot_mapping=torch.zeros(batch, dtype=torch.int64, device=DEV),
+        host={"query_start_loc": np.arange(batch + 1), "seq_lens": np.full(batch, ctx)},
+    )  # fmt: skip
+    return meta, batch * nb
+
+
+def prefill_meta(T: int):
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, T], dtype=torch.int32, device=DEV),
+        seq_lens=torch.tensor([T], dtype=torch.int32, device=DEV),
+        block_tables=torch.arange(-(-T // 16), dtype=torch.int32, device=DEV)[None],
+        slot_mapping=torch.arange(T, device=DEV),
+        host={"query_start_loc": np.array([0, T]), "seq_lens": np.array([T])},
+    )  # fmt: skip
+    return meta, -(-T // 16)
+
+
+@torch.inference_mode()
+def main() -> None:
+    bw, flops = measure_ceilings()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write), bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    rows = []
+
+    def add(name: str, us: float, nbytes: float, nflops: float = 0.0) -> None:
+        floor = max(nbytes / bw, nflops / flops) * 1e6
+        rows.append((name, us, floor))
+
+    # Linear layers: library GEMM against the matrix-vector kernel, 1 to 4 rows.
+    shapes = {"0.6b qkv": (4096, 1024), "0.6b o": (1024, 2048), "0.6b gate_up": (6144, 1024),
+              "0.6b down": (1024, 3072), "0.6b lm_head": (151936, 1024), "8b qkv": (6144, 4096),
+              "8b o": (4096, 4096), "8b gate_up": (28672, 4096), "8b down": (4096, 14336)}  # fmt: skip
+    for name, (n, k) in shapes.items():
+        ws = copies(lambda n=n, k=k: torch.randn(n, k, device=DEV, dtype=BF16) * 0.02, 2 * n * k)
+        for m in (1, 2, 64):
+            x = torch.randn(m, k, device=DEV, dtype=BF16)
+            nbytes = 2 * (n * k + m * k + m * n)
+            add(f"linear {name} M={m} library", graph_time([lambda w=w, x=x: reference.linear(x, w) for w in ws]), nbytes, 2 * m * n * k)
+            if m <= 2:
+                add(f"linear {name} M={m} triton gemv", graph_time([lambda w=w, x=x: triton_linear.gemv(x, w) for w in ws]), nbytes, 2 * m * n * k)
+
+    # Elementwise kernels at one decode token and at a 2,048-token prefill.
+    for T in (1, 256, 2048):
+        xs = copies(lambda T=T: (torch.randn(T, 1024, device=DEV, dtype=BF16), torch.randn(T, 1024, device=DEV, dtype=BF16)), 4 * T * 1024)
+        w = torch.ones(1024, device=DEV, dtype=BF16)
+        add(f"fused_add_rms_norm T={T} x 1024", graph_time([lambda p=p: triton_ops.fused_add_rms_norm(p[0], p[1], w, 1e-6) for p in xs]), 2 * 4 * T * 1024)
+        gs = copies(lambda T=T: torch.randn(T, 6144, device=DEV, dtype=BF16), 2 * T * 6144)
+        add(f"silu_and_mul T={T} x 3072", graph_time([lambda g=g: triton_ops.silu_and_mul(g) for g in gs]), 2 * T * (6144 + 3072))
+
+    # qkv_prepare (Qwen3: q/k norm + RoPE + K/V store), 16 q heads, 8 kv heads, head_dim 128.
+    cos_sin = torch.randn(4096, 128, device=DEV)
+    for T in (1, 2048):
+        qkv = torch.randn(T, 32, 128, device=DEV, dtype=BF16)
+        kc = torch.zeros(T // 16 + 1, 16, 8, 128, device=DEV, dtype=BF16)
+        vc = torch.zeros_like(kc)
+        pos = torch.arange(T, device=DEV)
+        rope = triton_ops.rope_cos_sin(cos_sin, pos, BF16)
+        slots = torch.arange(T, device=DEV)
+        nw = torch.ones(128, device=DEV, dtype=BF16)
+        add(f"qkv_prepare T={T} (16q/8kv x 128)", graph_time([lambda: triton_ops.qkv_prepare(qkv, 16, nw, nw, 1e-6, rope, kc, vc, slots)]), 2 * T * (32 * 128 + 24 * 128))
+
+    # Paged attention: decode (bytes: the KV read) and prefill (FLOPs: causal QK^T and PV).
+    for h, kvh, d, label in ((16, 8, 128, "0.6b"), (32, 8, 128, "8b")):
+        for batch, ctx in ((1, 512), (1, 8192), (64, 1024), (256, 1024)):
+            meta, nblocks = decode_meta(batch, ctx, kvh)
+            kc = torch.randn(nblocks, 16, kvh, d, device=DEV, dtype=BF16)
+            vc = torch.randn_like(kc)
+            q = torch.randn(batch, h, d, device=DEV, dtype=BF16)
+            plan = triton_attention.prepare(meta, h, kvh, DEV)
+            fn = lambda: triton_attention.paged_attention(q, None, None, kc, vc, meta, d**-0.5, None, 0)  # noqa: E731
+            chosen = plan["splits"]
+            for splits in sorted({chosen, 1, 4, 16}) if batch == 1 else [chosen]:
+                plan["splits"] = splits
+                add(f"attention decode {label} batch {batch} ctx {ctx} splits {splits}{'*' if splits == chosen else ''}",
+                    graph_time([fn]), 2 * 2 * batch * ctx * kvh * d)  # fmt: skip
+        T = 2048
+        meta, nblocks = prefill_meta(T)
+        kc = torch.randn(nblocks, 16, kvh, d, device=DEV, dtype=BF16)
+        vc = torch.randn_like(kc)
+        q = torch.randn(T, h, d, device=DEV, dtype=BF16)
+        triton_attention.prepare(meta, h, kvh, DEV)
+        fn = lambda: triton_attention.paged_attention(q, None, None, kc, vc, meta, d**-0.5, None, 0)  # noqa: E731
+        add(f"attention prefill {label} T={T}", graph_time([fn]), 2 * T * (2 * h + 2 * kvh) * d, 2 * 2 * T * T * h * d / 2)
+
+    print(f"{'kernel':50s} {'us':>9s} {'floor us':>9s} {'% floor':>8s}")
+    for name, us, floor in rows:
+        print(f"{name:50s} {us:9.2f} {floor:9.2f} {100 * floor / us:7.0f}%")
+
+
+if __name__ == "__main__":
+    main()
