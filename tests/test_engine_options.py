@@ -41,3 +41,18 @@ def test_dummy_weights_need_only_config_and_tokenizer(tmp_path, llama_dir):
     assert len(out[0].outputs[0].token_ids) == 6
     again = LLM(str(tmp_path), dtype="float32", load_format="dummy", seed=3).llm_engine.model.layers[0].qkv
     assert torch.equal(w, again)  # seeded
+
+
+def test_cli_engine_flags_map_onto_engine_args():
+    import argparse
+
+    from arcserve.cli import add_engine_args, engine_args_from
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    a = engine_args_from(p.parse_args(["m", "--no-async-scheduling", "--enforce-eager", "--load-format", "dummy",
+                                       "--kernels", "triton", "--gpu-memory-utilization", "0.5"]))  # fmt: skip
+    assert (a.model, a.async_scheduling, a.enforce_eager, a.load_format, a.kernels) == ("m", False, True, "dummy", "triton")
+    assert a.gpu_memory_utilization == 0.5
+    assert engine_args_from(p.parse_args(["m", "--async-scheduling"])).async_scheduling is True
+    assert engine_args_from(p.parse_args(["m"])).async_scheduling is None  # the device decides
