@@ -1,5 +1,9 @@
 """ModelRunner: SchedulerOutput -> flattened input tensors -> model -> sampler -> token ids.
 
+launch() issues a step without waiting for the device and returns a StepHandle; its result() reads
+the sampled ids (the step's one host-device sync). The engine calls result() at once (synchronous
+loop) or after launching the next step (overlapped steps).
+
 Owns the KV cache tensors. Builds one unpadded batch per step: the new tokens of every scheduled
 sequence back to back, their positions, the slot of each token in the paged cache, the block tables,
 and the index of each sampling sequence's last token (the only rows that reach the LM head).
@@ -52,7 +56,6 @@ class StepHandle:
     logprob_rows: list[int] | None = None
     logprob_parts: tuple = ()  # token logprob, rank, top-k ids, top-k logprobs (or None)
     event: object = None
-    k: list[int] | None = None  # logprobs asked for, per logprob row
 
     def result(self) -> StepResult:
         if self.tokens is None:
@@ -255,10 +258,6 @@ class ModelRunner:
             )
         handle.event = new_event(self.device)
         return handle
-
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        """launch and wait: one synchronous step."""
-        return self.launch(out).result()
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, qsl: np.ndarray) -> dict:
         """For requests that asked for prompt logprobs: the logprob (and top-k) of every prompt token
