@@ -91,6 +91,7 @@ def triton_launch_options() -> dict:
     return {}
 
 
+@functools.cache
 def compute_units(device: torch.device) -> int:
     """Streaming multiprocessors (CUDA) / Xe cores (XPU) / CPU cores: how many programs fill the device."""
     if device.type == "cuda":

@@ -160,8 +160,8 @@ class ModelRunner:
     def _host_inputs(self, out: SchedulerOutput) -> dict:
         """The step's flattened batch as numpy arrays: token ids, positions, query start offsets,
         context lengths, block tables and the cache slot of every token. A token sampled by the
-        previous step and not yet read by the host is fed on the device: its id here is a
-        placeholder, and feed_dst / feed_src say where it goes and which row of the previous step's
+        previous step and not yet read by the host is fed on the device: its id here is 0 until
+        then, and feed_dst / feed_src say where it goes and which row of the previous step's
         sampled tokens holds it."""
         seqs = out.seqs
         bs = self.block_size
@@ -211,8 +211,7 @@ class ModelRunner:
         )
         ids = to_device(h["ids"], dev)
         if len(h["feed_dst"]):
-            feed = to_device(np.stack([h["feed_dst"], h["feed_src"]]), dev)
-            feed_tokens(ids, self._last_tokens, feed[0], feed[1], h["feed_dst"], h["feed_src"])
+            feed_tokens(ids, self._last_tokens, h["feed_dst"], h["feed_src"])
         return ids, to_device(h["positions"], dev), meta
 
     # ---- graphs ---------------------------------------------------------------------------

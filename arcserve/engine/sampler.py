@@ -151,12 +151,11 @@ class Sampler:
         if bias_rows or mask_rows or pen_rows:
             logits = logits.clone()
         if bias_rows:
-            pairs = [[(t, b) for t, b in params[i].logit_bias.items() if t < V] for i in bias_rows]
-            rows = np.repeat(np.asarray(bias_rows, dtype=np.int64), [len(x) for x in pairs])
-            flat = [x for xs in pairs for x in xs]
-            ids = to_device(np.stack([rows, np.array([t for t, _ in flat], np.int64)]), dev)
-            vals = to_device(np.array([b for _, b in flat], np.float32), dev)
-            logits.index_put_((ids[0], ids[1]), vals.to(logits.dtype), accumulate=True)
+            biases = [{t: b for t, b in params[i].logit_bias.items() if t < V} for i in bias_rows]
+            rows, ids = _flat(bias_rows, [list(d) for d in biases])
+            vals = np.fromiter(itertools.chain.from_iterable(d.values() for d in biases), np.float32, len(ids))
+            ids_d = to_device(np.stack([rows, ids]), dev)
+            logits.index_put_((ids_d[0], ids_d[1]), to_device(vals, dev).to(logits.dtype), accumulate=True)
         if mask_rows:
             rows, ids = _flat(mask_rows, [[t for t in _stop_ids(reqs[i]) if t < V] for i in mask_rows])
             if len(ids):
@@ -197,11 +196,11 @@ class Sampler:
         top_k (V = off), uniform number."""
         B = len(reqs)
         f = np.empty((B, 6), dtype=np.float32)
-        f[:, _TEMP] = [0.0 if r.params.greedy else r.params.temperature for r in reqs]
+        f[:, [_TEMP, _TOP_P, _MIN_P, _TOP_K]] = [
+            (0.0 if p.greedy else p.temperature, p.top_p, p.min_p, p.top_k if 0 < p.top_k < V else V)
+            for p in (r.params for r in reqs)
+        ]
         f[:, _INV_T] = 1.0 / np.where(f[:, _TEMP] == 0, 1.0, f[:, _TEMP])
-        f[:, _TOP_P] = [r.params.top_p for r in reqs]
-        f[:, _MIN_P] = [r.params.min_p for r in reqs]
-        f[:, _TOP_K] = [r.params.top_k if 0 < r.params.top_k < V else V for r in reqs]
         u = self.rng.random(B)
         seeded = [i for i, r in enumerate(reqs) if r.seed is not None]
         if seeded:

@@ -29,19 +29,24 @@ from arcserve.platform import (
     new_graph,
     pin_memory_available,
     synchronize,
+    to_device,
     wait_event,
 )
 
 
-def feed_tokens(ids: torch.Tensor, last: torch.Tensor, dst: torch.Tensor, src: torch.Tensor,
-                dst_h: np.ndarray, src_h: np.ndarray) -> None:
+def feed_tokens(ids: torch.Tensor, last: torch.Tensor, dst_h: np.ndarray, src_h: np.ndarray,
+                dst: torch.Tensor | None = None, src: torch.Tensor | None = None) -> None:
     """ids[dst] = last[src] on the device (tokens sampled by the previous step, not yet on the host).
-    The common case, a decode batch in the previous step's order, is one slice copy."""
+    The common case, a decode batch in the previous step's order, is one slice copy. dst / src: the
+    index arrays already on the device (the graphs' input buffer), else copied from dst_h / src_h."""
     k = len(dst_h)
-    if dst_h[0] == 0 and dst_h[-1] == k - 1 and (src_h == np.arange(k)).all() and (dst_h == src_h).all():
+    if (dst_h == np.arange(k)).all() and (src_h == dst_h).all():
         ids[:k].copy_(last[:k])
-    else:
-        ids.index_copy_(0, dst.long(), last[src.long()].to(ids.dtype))
+        return
+    if dst is None:
+        both = to_device(np.stack([dst_h, src_h]), ids.device)
+        dst, src = both[0], both[1]
+    ids.index_copy_(0, dst.long(), last[src.long()].to(ids.dtype))
 
 
 def decode_sizes(max_num_seqs: int) -> list[int]:
@@ -194,7 +199,7 @@ class StepGraphs:
         self.copied[turn] = new_event(self.device)
         if k:
             st = self.st
-            feed_tokens(st["ids"], last_tokens, st["feed_dst"][:k], st["feed_src"][:k], h["feed_dst"], h["feed_src"])
+            feed_tokens(st["ids"], last_tokens, h["feed_dst"], h["feed_src"], st["feed_dst"][:k], st["feed_src"][:k])
         graph, hidden = self.graphs[key]
         graph.replay()
         return hidden[:T]
