@@ -4,6 +4,7 @@ decoders in bf16. Every kernel is captured 20 times into a graph and timed by re
 gaps do not count), over enough copies of its inputs to miss the L2 cache.
 
     python benchmarks/gpu_kernels.py            # prints one table: us, floor us, % of floor
+    python benchmarks/gpu_kernels.py attention-sweep   # decode attention over launch settings
 """
 
 from __future__ import annotations
@@ -86,7 +87,35 @@ def prefill_meta(T: int):
 
 
 @torch.inference_mode()
+def attention_sweep() -> None:
+    """Decode attention at batch 1 and 64 over launch settings: splits x BLOCK_N x warps x stages."""
+    h, kvh, d = 16, 8, 128
+    print(f"{'batch':>5s} {'ctx':>6s} {'splits':>6s} {'block_n':>7s} {'warps':>5s} {'stages':>6s} {'us':>8s}")
+    for batch, ctx in ((1, 256), (1, 512), (1, 2048), (64, 1024)):
+        meta, nblocks = decode_meta(batch, ctx, kvh)
+        kc = torch.randn(nblocks, 16, kvh, d, device=DEV, dtype=BF16)
+        vc = torch.randn_like(kc)
+        q = torch.randn(batch, h, d, device=DEV, dtype=BF16)
+        plan = triton_attention.prepare(meta, h, kvh, DEV)
+        plan["block_q"] = 1  # as the decode graphs plan it
+        fn = lambda: triton_attention.paged_attention(q, None, None, kc, vc, meta, d**-0.5, None, 0)  # noqa: E731
+        for splits in ((1, 4, 16) if batch == 1 else (1,)):
+            for block_n in (32, 64):
+                for warps in (1, 2, 4):
+                    for stages in (1, 3):
+                        plan.update(splits=splits, block_n=block_n, launch={"num_warps": warps, "num_stages": stages})
+                        try:
+                            us = graph_time([fn])
+                        except Exception as e:  # noqa: BLE001 (a setting the compiler refuses)
+                            print(f"{batch:5d} {ctx:6d} {splits:6d} {block_n:7d} {warps:5d} {stages:6d} failed: {type(e).__name__}")
+                            continue
+                        print(f"{batch:5d} {ctx:6d} {splits:6d} {block_n:7d} {warps:5d} {stages:6d} {us:8.2f}")
+
+
+@torch.inference_mode()
 def main() -> None:
+    if sys.argv[1:] == ["attention-sweep"]:
+        return attention_sweep()
     bw, flops = measure_ceilings()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write), bf16 matmul {flops / 1e12:.0f} TFLOP/s")
     rows = []
@@ -107,6 +136,22 @@ def main() -> None:
             add(f"linear {name} M={m} library", graph_time([lambda w=w, x=x: reference.linear(x, w) for w in ws]), nbytes, 2 * m * n * k)
             if m <= 2:
                 add(f"linear {name} M={m} triton gemv", graph_time([lambda w=w, x=x: triton_linear.gemv(x, w) for w in ws]), nbytes, 2 * m * n * k)
+
+    # One row, the op before the product fused into the matrix-vector kernel, against the two launches.
+    xr = torch.randn(2, 1024, device=DEV, dtype=BF16)
+    nw = torch.ones(1024, device=DEV, dtype=BF16)
+    for name, (n, k) in (("0.6b qkv", (4096, 1024)), ("0.6b gate_up", (6144, 1024))):
+        ws = copies(lambda n=n, k=k: torch.randn(n, k, device=DEV, dtype=BF16) * 0.02, 2 * n * k)
+        nbytes = 2 * (n * k + 3 * k + n)
+        add(f"add+rms_norm then linear {name}, 1 row: two launches",
+            graph_time([lambda w=w: triton_linear.linear(triton_ops.fused_add_rms_norm(xr[:1], xr[1:], nw, 1e-6)[0], w) for w in ws]), nbytes)
+        add(f"add+rms_norm then linear {name}, 1 row: fused",
+            graph_time([lambda w=w: triton_linear.add_rms_norm_linear(xr[:1], xr[1:], nw, 1e-6, w) for w in ws]), nbytes)
+    gu = torch.randn(1, 6144, device=DEV, dtype=BF16)
+    ws = copies(lambda: torch.randn(1024, 3072, device=DEV, dtype=BF16) * 0.02, 2 * 1024 * 3072)
+    nbytes = 2 * (1024 * 3072 + 6144 + 1024)
+    add("silu_mul then linear 0.6b down, 1 row: two launches", graph_time([lambda w=w: triton_linear.linear(triton_ops.silu_and_mul(gu), w) for w in ws]), nbytes)
+    add("silu_mul then linear 0.6b down, 1 row: fused", graph_time([lambda w=w: triton_linear.silu_mul_linear(gu, w) for w in ws]), nbytes)
 
     # Elementwise kernels at one decode token and at a 2,048-token prefill.
     for T in (1, 256, 2048):
@@ -130,7 +175,7 @@ def main() -> None:
 
     # Paged attention: decode (bytes: the KV read) and prefill (FLOPs: causal QK^T and PV).
     for h, kvh, d, label in ((16, 8, 128, "0.6b"), (32, 8, 128, "8b")):
-        for batch, ctx in ((1, 512), (1, 8192), (64, 1024), (256, 1024)):
+        for batch, ctx in ((1, 256), (1, 512), (1, 8192), (64, 1024), (256, 1024)):
             meta, nblocks = decode_meta(batch, ctx, kvh)
             kc = torch.randn(nblocks, 16, kvh, d, device=DEV, dtype=BF16)
             vc = torch.randn_like(kc)

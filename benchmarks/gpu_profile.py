@@ -40,7 +40,7 @@ def timed(fn, n: int = 20, dev=None) -> tuple[float, float]:
 @torch.inference_mode()
 def main() -> None:
     d = make_shape_dirs("/tmp/arcserve-shapes")["qwen3-0.6b"]
-    llm = LLM(str(d), load_format="dummy", dtype="bfloat16", max_model_len=4096)
+    llm = LLM(str(d), load_format="dummy", dtype="bfloat16", max_model_len=8192, max_num_batched_tokens=8192)
     eng = llm.llm_engine
     r, m, dev = eng.runner, eng.model, eng.device
     rows = []
@@ -91,6 +91,39 @@ def main() -> None:
                         q.seed = 1
                 h, t = timed(lambda reqs=reqs, logits=logits: r.sampler(logits, reqs), 20, dev)
                 rows.append((f"sampler {label}, {b} rows", h, t))
+
+    # A request whose 4,096-token prefix is cached (gpu_bench.py prefix): the whole call against the
+    # replay of the mixed graph its 32 new tokens take (the static inputs still hold that step).
+    import random
+
+    rng = random.Random(3)
+    sp = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
+    prefix = [rng.randrange(1000, 150000) for _ in range(4096)]
+
+    def cached_call():  # a new 32-token suffix every time: 4,096 cached tokens, 32 new
+        llm.generate({"prompt_token_ids": prefix + [rng.randrange(1000, 150000) for _ in range(32)]}, sp, use_tqdm=False)
+
+    cached_call()  # cold: caches the prefix
+    h, t = timed(cached_call, 10, dev)
+    rows.append(("generate(), 32 new tokens over a cached 4,096 prefix", h, t))
+    if r.graphs is not None and ("mixed", 256) in r.graphs.graphs:
+        cached_call()
+        h, t = timed(r.graphs.graphs[("mixed", 256)][0].replay, 20, dev)
+        rows.append(("  its mixed graph replay (256-token bucket)", h, t))
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            cached_call()
+            synchronize(dev)
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+        import cProfile
+        import pstats
+
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(5):
+            cached_call()
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(20)
 
     # Device time per kernel of one eager batch-1 decode forward (what a decode graph replays).
     ids = torch.randint(0, 100000, (1,), device=dev)

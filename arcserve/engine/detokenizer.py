@@ -7,6 +7,10 @@ BPE) produce the same text as decoding everything at once. Text ending in U+FFFD
 UTF-8 sequence) is held back until the next token completes it.
 
 Ids the tokenizer does not know (checkpoints pad vocab_size past the tokenizer) decode to nothing.
+
+A request that needs no text before it ends (final-only output, no stop strings: LLM.generate, a
+non-streaming completion) is detokenized lazily: its tokens are collected and decoded in one
+window when the text is asked for, which gives the same text at a fraction of the per-token cost.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
+        lazy: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_len = len(tokenizer)
@@ -61,6 +66,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text = ""
         self.sent = 0  # chars of text already handed out as deltas
+        self.lazy = lazy and not self.stop  # stop strings are looked for at every token
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_fn(ids, skip_special_tokens=self.skip_special)
@@ -70,6 +76,8 @@ class IncrementalDetokenizer:
         check_stop=False (before min_tokens) decodes without looking for stop strings."""
         if token < self.vocab_len:
             self.ids.append(token)
+        if self.lazy:
+            return None
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
@@ -100,13 +108,33 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix) :]
         self.prefix_offset = self.read_offset = len(self.ids)
 
+    def _catch_up(self) -> None:
+        """Lazy mode: decode the tokens collected since the last call, giving what add_token would
+        have: one window when that ends on a whole character, else token by token."""
+        if not self.lazy or self.read_offset >= len(self.ids):
+            return
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return
+        pending = self.ids[self.read_offset :]
+        del self.ids[self.read_offset :]
+        self.lazy = False
+        for t in pending:
+            self.add_token(t, check_stop=False)
+        self.lazy = True
+
     def delta(self, finished: bool) -> str:
         """New text since the last call, holding back a possible partial stop string."""
+        self._catch_up()
         end = len(self.text) if finished else max(self.sent, len(self.text) - self.holdback)
         out = self.text[self.sent : end]
         self.sent = end
         return out
 
     def visible_text(self, finished: bool) -> str:
+        self._catch_up()
         end = len(self.text) if finished else max(self.sent, len(self.text) - self.holdback)
         return self.text[:end]

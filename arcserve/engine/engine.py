@@ -197,15 +197,18 @@ class LLMEngine(InputProcessor):
         got = self.scheduler.on_sampled(handle.sched, result.tokens)
         now = time.time()
         touched: dict[str, RequestGroup] = {}
+        ttfts, itls, prompt_tokens = [], [], 0
+        logprobs = result.logprobs
         for req in got:
-            token = req.token_ids[-1]
             m = req.metrics
-            first = m.first_token_time is None
-            self.metrics.on_token(first, now - (m.arrival_time if first else m.last_token_time), req.num_prompt_tokens)
-            if first:
+            if m.first_token_time is None:
+                ttfts.append(now - m.arrival_time)
+                prompt_tokens += req.num_prompt_tokens
                 m.first_token_time = now
+            else:
+                itls.append(now - m.last_token_time)
             m.last_token_time = now
-            stop_str = self.outputs.on_token(req, token, result.logprobs.get(req.request_id))
+            stop_str = self.outputs.on_token(req, req.token_ids[-1], logprobs.get(req.request_id) if logprobs else None)
             if stop_str is not None:  # a stop string wins over a length stop in the same step
                 if req.is_finished:
                     req.status = RequestStatus.FINISHED_STOPPED
@@ -216,6 +219,7 @@ class LLMEngine(InputProcessor):
                 self._record_finish(req)
             group, _ = self.outputs.seq_of[req.request_id]
             touched[group.request_id] = group
+        self.metrics.on_tokens(ttfts, prompt_tokens, itls)
         outs = []
         for group in touched.values():
             out = self.outputs.make_output(group)

@@ -130,8 +130,10 @@ class KVCacheManager:
         """Give `req` blocks for `num_new_tokens` more tokens after its computed ones (plus the
         prefix-cache hits `cached`, for a request without blocks). False, with nothing changed,
         when too few blocks are free."""
+        held = self.blocks.get(req.request_id, ())
+        if held and not cached and req.num_computed_tokens + num_new_tokens <= len(held) * self.block_size:
+            return True  # fits in the blocks it holds (a decode step, 15 times out of 16)
         cached = cached or []
-        held = self.blocks.get(req.request_id, [])
         num_computed = req.num_computed_tokens + len(cached) * self.block_size
         need = -(-(num_computed + num_new_tokens) // self.block_size) - len(held) - len(cached)
         # Hits that sit in the free queue stop being free once taken.

@@ -11,6 +11,8 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 def one_two_five(limit: int) -> list[float]:
     out, m = [], 1
@@ -46,6 +48,17 @@ class Histogram:
         self.count += 1
         self.sum += v
 
+    def observe_many(self, vs: list[float]) -> None:
+        if len(vs) < 16:
+            for v in vs:
+                self.observe(v)
+            return
+        idx = np.searchsorted(np.asarray(self.buckets), np.asarray(vs), side="left")  # as bisect_left
+        for i, c in zip(*np.unique(idx, return_counts=True)):
+            self.counts[i] += int(c)
+        self.count += len(vs)
+        self.sum += sum(vs)
+
     def cumulative(self) -> list[tuple[str, int]]:
         out, total = [], 0
         for le, c in zip(self.labels, self.counts):
@@ -70,15 +83,15 @@ class EngineMetrics:
             "request_generation_tokens": Histogram(tokens),
         }
 
-    def on_token(self, first: bool, latency: float, num_prompt: int) -> None:
-        """One generated token: `latency` is the time to first token or since the previous token.
-        The first token of a sequence also accounts for its prompt tokens (prefill done)."""
+    def on_tokens(self, ttfts: list[float], prompt_tokens: int, itls: list[float]) -> None:
+        """One step's generated tokens: the times to first token of sequences that got their first
+        (whose prompts, `prompt_tokens` in all, are then done) and the other tokens' inter-token
+        latencies. One lock per step, not per token."""
         with self.lock:
-            self.generation_tokens += 1
-            if first:
-                self.prompt_tokens += num_prompt
-            name = "time_to_first_token_seconds" if first else "inter_token_latency_seconds"
-            self.hist[name].observe(latency)
+            self.generation_tokens += len(ttfts) + len(itls)
+            self.prompt_tokens += prompt_tokens
+            self.hist["time_to_first_token_seconds"].observe_many(ttfts)
+            self.hist["inter_token_latency_seconds"].observe_many(itls)
 
     def on_finish(self, reason: str, num_prompt: int, num_generated: int, e2e: float, queue: float | None) -> None:
         with self.lock:

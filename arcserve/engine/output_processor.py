@@ -51,7 +51,7 @@ class OutputProcessor:
             detok = (
                 IncrementalDetokenizer(
                     self.tokenizer, req.prompt_token_ids, p.skip_special_tokens, p.stop,
-                    p.include_stop_str_in_output,
+                    p.include_stop_str_in_output, lazy=p.output_kind == RequestOutputKind.FINAL_ONLY,
                 )
                 if p.detokenize
                 else None

@@ -55,6 +55,7 @@ class Request:
         self.prompt_logprobs: SampleLogprobs | None = [None] if params.prompt_logprobs is not None else None
         self.num_preemptions = 0
         self.seed: int | None = None  # this sequence's seed (the request's seed + its index)
+        self.sampling_row = None  # the sampler's packed form of params, made at the first sampling
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
 
     @property

@@ -130,6 +130,23 @@ def apply_top_k_top_p_min_p(
 
 # Columns of the per-row float parameters, copied to the device as one array.
 _TEMP, _INV_T, _TOP_P, _MIN_P, _TOP_K, _U = range(6)
+# What a row needs beyond plain sampling, as bits of its flags.
+_LOGPROBS, _BIAS, _MIN_TOKENS, _PENALTIES, _GREEDY, _SEEDED = (1 << i for i in range(6))
+
+
+def _static_row(req: Request, V: int) -> tuple[int, np.ndarray]:
+    """(flags, [temperature (0 = greedy), its inverse (1 for greedy), top_p, min_p, top_k (V = off),
+    0 for the uniform number]) of one request's sampling parameters."""
+    p = req.params
+    temp = 0.0 if p.greedy else p.temperature
+    row = np.array([temp, 1.0 / temp if temp else 1.0, p.top_p, p.min_p, p.top_k if 0 < p.top_k < V else V, 0.0],
+                   dtype=np.float32)  # fmt: skip
+    flags = (
+        (_LOGPROBS if p.logprobs is not None else 0) | (_BIAS if p.logit_bias else 0)
+        | (_MIN_TOKENS if p.min_tokens > 0 else 0) | (_PENALTIES if p.needs_penalties else 0)
+        | (_GREEDY if p.greedy else 0) | (_SEEDED if req.seed is not None else 0)
+    )  # fmt: skip
+    return flags, row
 
 
 class Sampler:
@@ -138,16 +155,34 @@ class Sampler:
         self.rng = np.random.default_rng(seed)
         self.sample_from_cdf = sample_from_cdf  # the kernel namespace's (Triton on GPUs)
 
+    def _rows(self, reqs: list[Request], V: int) -> tuple[np.ndarray, np.ndarray]:
+        """(flags [B], float parameters [B, 6] without the uniform numbers): each request's are
+        computed once, at its first sampling, and kept on the request (its params never change)."""
+        rows = []
+        for r in reqs:
+            row = r.sampling_row
+            if row is None:
+                row = r.sampling_row = _static_row(r, V)
+            rows.append(row)
+        flags = np.fromiter((f for f, _ in rows), dtype=np.int64, count=len(rows))
+        return flags, np.stack([v for _, v in rows]) if rows else np.empty((0, 6), np.float32)
+
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         B, V = logits.shape
         dev = logits.device
         params = [r.params for r in reqs]
-        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        flags, f = self._rows(reqs, V)
+        some = int(np.bitwise_or.reduce(flags)) if B else 0
+
+        def rows_with(flag: int) -> list[int]:
+            return np.flatnonzero(flags & flag).tolist() if some & flag else []
+
+        lp_rows = rows_with(_LOGPROBS)
         raw_logprobs = logits.log_softmax(dim=-1) if lp_rows else None
 
-        bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
-        mask_rows = [i for i, r in enumerate(reqs) if num_sampled(r) < r.params.min_tokens]
-        pen_rows = [i for i, p in enumerate(params) if p.needs_penalties]
+        bias_rows = rows_with(_BIAS)
+        mask_rows = [i for i in rows_with(_MIN_TOKENS) if num_sampled(reqs[i]) < params[i].min_tokens]
+        pen_rows = rows_with(_PENALTIES)
         if bias_rows or mask_rows or pen_rows:
             logits = logits.clone()
         if bias_rows:
@@ -164,11 +199,11 @@ class Sampler:
         if pen_rows:
             apply_penalties(logits, reqs, pen_rows)
 
-        greedy = np.fromiter((p.greedy for p in params), dtype=bool, count=B)
+        greedy = (flags & _GREEDY) != 0
         if greedy.all():
             tokens = logits.argmax(dim=-1)
         else:
-            f = self._row_params(reqs, V)
+            f[:, _U] = self._uniform(reqs, flags)
             f_d = to_device(f, dev)
             sampled = self._sample(logits, f_d, f)
             if greedy.any():
@@ -191,24 +226,16 @@ class Sampler:
             out.token_rank = (lp > chosen).sum(dim=-1) + 1
         return out
 
-    def _row_params(self, reqs: list[Request], V: int) -> np.ndarray:
-        """[B, 6] float32: temperature (0 = greedy), its inverse (1 for greedy), top_p, min_p,
-        top_k (V = off), uniform number."""
-        B = len(reqs)
-        f = np.empty((B, 6), dtype=np.float32)
-        f[:, [_TEMP, _TOP_P, _MIN_P, _TOP_K]] = [
-            (0.0 if p.greedy else p.temperature, p.top_p, p.min_p, p.top_k if 0 < p.top_k < V else V)
-            for p in (r.params for r in reqs)
-        ]
-        f[:, _INV_T] = 1.0 / np.where(f[:, _TEMP] == 0, 1.0, f[:, _TEMP])
-        u = self.rng.random(B)
-        seeded = [i for i, r in enumerate(reqs) if r.seed is not None]
-        if seeded:
+    def _uniform(self, reqs: list[Request], flags: np.ndarray) -> np.ndarray:
+        """One uniform number per row: hashed from (seed, token index) for seeded requests, from
+        the engine's generator otherwise; below 1 in float32."""
+        u = self.rng.random(len(reqs))
+        seeded = np.flatnonzero(flags & _SEEDED)
+        if len(seeded):
             seeds = np.array([reqs[i].seed for i in seeded], dtype=np.int64)
             pos = np.array([num_sampled(reqs[i]) for i in seeded], dtype=np.int64)
             u[seeded] = seeded_uniform(seeds, pos)
-        f[:, _U] = np.minimum(u, 1.0 - 2.0**-24)  # float32 rounding must not reach 1
-        return f
+        return np.minimum(u, 1.0 - 2.0**-24)  # float32 rounding must not reach 1
 
     def _sample(self, logits: torch.Tensor, f_d: torch.Tensor, f: np.ndarray) -> torch.Tensor:
         V = logits.shape[1]

@@ -1,7 +1,8 @@
 """Kernel selection: `torch` = the pure-PyTorch twins in reference.py (the CPU path); `triton` = the
 Triton kernels (GPUs, or the CPU under TRITON_INTERPRET=1); `auto` = Triton on GPUs, torch on CPU.
 Matmuls are PyTorch's (cuBLAS / oneDNN / ...) in both, except one-row products with small matrices (decode at
-batch 1), which the Triton path runs as a matrix-vector kernel (triton_linear.py). The namespace holds what the model calls."""
+batch 1), which the Triton path runs as a matrix-vector kernel with the norm or SiLU-mul before it
+fused in (triton_linear.py). The namespace holds what the model calls."""
 
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def get_ops(kernels: str, device: torch.device) -> SimpleNamespace:
         pack_linear_weight=reference.pack_linear_weight,
         fused_add_rms_norm=reference.fused_add_rms_norm,
         silu_and_mul=reference.silu_and_mul,
+        add_rms_norm_linear=reference.add_rms_norm_linear,
+        silu_mul_linear=reference.silu_mul_linear,
         rope_cos_sin=reference.rope_cos_sin,
         qkv_prepare=reference.qkv_prepare,
         sample_from_cdf=reference.sample_from_cdf,
@@ -51,6 +54,8 @@ def get_ops(kernels: str, device: torch.device) -> SimpleNamespace:
             linear=triton_linear.linear,
             fused_add_rms_norm=triton_ops.fused_add_rms_norm,
             silu_and_mul=triton_ops.silu_and_mul,
+            add_rms_norm_linear=triton_linear.add_rms_norm_linear,
+            silu_mul_linear=triton_linear.silu_mul_linear,
             rope_cos_sin=triton_ops.rope_cos_sin,
             qkv_prepare=triton_ops.qkv_prepare,
             sample_from_cdf=triton_sampling.sample_from_cdf,

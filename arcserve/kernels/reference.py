@@ -55,6 +55,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
+def add_rms_norm_linear(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """fused_add_rms_norm, then the linear layer: (linear(rms_norm(x + residual)), x + residual)."""
+    h, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return linear(h, weight, bias), residual
+
+
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu_and_mul, then the linear layer."""
+    return linear(silu_and_mul(x), weight, bias)
+
+
 def sample_from_cdf(x: torch.Tensor, inv_temp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: per row, the first token whose cumulative probability under
     softmax(x * inv_temp) exceeds u (in [0, 1)). Tokens at -inf (filtered out) are never picked."""

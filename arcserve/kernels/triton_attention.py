@@ -8,7 +8,8 @@ keeps tiles of 16 or more in every dimension (what Intel XPU needs too).
 
 Long contexts with few tiles (a single long decode) would leave most of the GPU idle, so the KV
 range of each tile can be split across NUM_SPLITS programs (flash-decoding); each writes a partial
-output with its log-sum-exp, and a second kernel merges them.
+output with its log-sum-exp and counts itself in a per-(tile, KV head) counter, and the last of them
+to finish merges the partials (no second launch: at batch 1 a launch costs more than the merge).
 
 Tiles are described by two int32 arrays built on the host per step: tile_seq (which sequence; -1
 for the padding tiles of a captured graph, which do nothing) and tile_q (first new-token index of
@@ -28,7 +29,7 @@ from arcserve.platform import compute_units, triton_interpreting, triton_launch_
 
 @triton.jit
 def _attn_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, lse_ptr, count_ptr,
     block_tables_ptr, seq_lens_ptr, qsl_ptr, tile_seq_ptr, tile_q_ptr,
     scale, window,
     stride_qt, stride_qh,
@@ -129,29 +130,48 @@ def _attn_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=o_mask)  # fmt: skip
     else:  # partial output and log-sum-exp, [T, H, NUM_SPLITS, (HEAD_PAD)]
         H = tl.num_programs(1) * G
-        base = (out_rows[:, None] * H + head[:, None]) * NUM_SPLITS + split
+        first_slot = (out_rows * H + head) * NUM_SPLITS
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(part_ptr + base * HEAD_PAD + d[None, :], o, mask=o_mask)
+        tl.store(part_ptr + (first_slot + split)[:, None] * HEAD_PAD + d[None, :], o, mask=o_mask)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
-        tl.store(lse_ptr + (out_rows * H + head) * NUM_SPLITS + split, lse, mask=row_ok)
+        tl.store(lse_ptr + first_slot + split, lse, mask=row_ok)
+        # Every thread's stores are issued before the counter's release; the last split to arrive
+        # (its acquire sees all others' partials) merges, and leaves the counter at 0 for the next launch.
+        tl.debug_barrier()
+        counter = count_ptr + tile * tl.num_programs(1) + kvh
+        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+            m_all = tl.full([M], float("-inf"), tl.float32)
+            for j in tl.static_range(NUM_SPLITS):
+                m_all = tl.maximum(m_all, tl.load(lse_ptr + first_slot + j, mask=row_ok, other=float("-inf")))
+            m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+            den = tl.zeros([M], tl.float32)
+            o = tl.zeros([M, HEAD_PAD], tl.float32)
+            for j in tl.static_range(NUM_SPLITS):
+                wgt = tl.exp(tl.load(lse_ptr + first_slot + j, mask=row_ok, other=float("-inf")) - m_all)
+                den += wgt
+                o += wgt[:, None] * tl.load(part_ptr + (first_slot + j)[:, None] * HEAD_PAD + d[None, :], mask=o_mask, other=0.0)
+            o = o / tl.maximum(den, 1e-30)[:, None]
+            tl.store(out_ptr + out_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=o_mask)  # fmt: skip
+            tl.atomic_xchg(counter, 0)
 
 
-@triton.jit
-def _merge_kernel(part_ptr, lse_ptr, out_ptr, stride_ot, stride_oh, H,
-                  NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):  # fmt: skip
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.arange(0, NUM_SPLITS)
-    d = tl.arange(0, HEAD_PAD)
-    base = (t * H + h) * NUM_SPLITS
-    lse = tl.load(lse_ptr + base + s)
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m)
-    w = w / tl.maximum(tl.sum(w, 0), 1e-30)
-    part = tl.load(part_ptr + (base + s)[:, None] * HEAD_PAD + d[None, :])
-    o = tl.sum(part * w[:, None], 0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+_counters: dict[str, torch.Tensor] = {}
+_retired: list[torch.Tensor] = []  # captured graphs may still point at an outgrown counter buffer
+
+
+def split_counters(n: int, device: torch.device) -> torch.Tensor:
+    """A zeroed int32 buffer of at least n counters for the split merge (kernels leave it zeroed).
+    One per device, grown (never freed) outside graph capture: a graph's warm-up run, with the
+    same shapes, allocates what its capture needs."""
+    key = str(device)
+    buf = _counters.get(key)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _retired.append(buf)
+        buf = _counters[key] = torch.zeros(max(n, 4096, 2 * (buf.numel() if buf is not None else 0)),
+                                           dtype=torch.int32, device=device)  # fmt: skip
+    return buf
 
 
 def _next_pow2(n: int) -> int:
@@ -199,14 +219,15 @@ def paged_attention(
     kvh = k_cache.shape[2]
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     splits, head_pad = plan["splits"], _next_pow2(D)
+    grid = (plan["num_tiles"], kvh, splits)
     if splits > 1:  # every (token, head, split) of a real tile is written; padding rows are never read
         part = torch.empty(T, H, splits, head_pad, dtype=torch.float32, device=q.device)
         lse = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
+        counts = split_counters(grid[0] * kvh, q.device)
     else:
-        part = lse = out
-    grid = (plan["num_tiles"], kvh, splits)
+        part = lse = counts = out
     _attn_kernel[grid](
-        q, k_cache, v_cache, out, part, lse,
+        q, k_cache, v_cache, out, part, lse, counts,
         meta.block_tables, meta.seq_lens, meta.query_start_loc, plan["tile_seq"], plan["tile_q"],
         scale, sliding_window or 0,
         q.stride(0), q.stride(1),
@@ -217,11 +238,8 @@ def paged_attention(
         G=H // kvh, G_PAD=plan["g_pad"], BLOCK_Q=plan["block_q"], HEAD_DIM=D, HEAD_PAD=head_pad,
         BLOCK_N=plan["block_n"], BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=splits,
         USE_WINDOW=sliding_window is not None, DOT_F32=q.dtype == torch.float32 or triton_interpreting(),
-        **triton_launch_options(),
+        **plan.get("launch", {}), **triton_launch_options(),
     )  # fmt: skip
-    if splits > 1:
-        _merge_kernel[(T, H)](part, lse, out, out.stride(0), out.stride(1), H,
-                              NUM_SPLITS=splits, HEAD_DIM=D, HEAD_PAD=head_pad)  # fmt: skip
     return out
 
 

@@ -73,15 +73,14 @@ class DecoderModel:
         rope = ops.rope_cos_sin(self.cos_sin, positions, self.dtype)
         nq, nkv = h, cfg.num_kv_heads
         for i, (lw, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            x, residual = ops.fused_add_rms_norm(x, residual, lw.input_norm, eps)
-            qkv = ops.linear(x, lw.qkv, lw.qkv_bias).view(T, nq + 2 * nkv, d)
+            qkv, residual = ops.add_rms_norm_linear(x, residual, lw.input_norm, eps, lw.qkv, lw.qkv_bias)
+            qkv = qkv.view(T, nq + 2 * nkv, d)
             # q/k norm (Qwen3), RoPE of q and k heads together, K/V into the paged cache
             q, k, v = ops.qkv_prepare(qkv, nq, lw.q_norm, lw.k_norm, eps, rope, k_cache, v_cache, meta.slot_mapping)
             attn = ops.paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, cfg.sliding_window, i)
             x = ops.linear(attn.view(T, h * d), lw.o, lw.o_bias)
-            x, residual = ops.fused_add_rms_norm(x, residual, lw.post_norm, eps)
-            x = ops.silu_and_mul(ops.linear(x, lw.gate_up, lw.gate_up_bias))
-            x = ops.linear(x, lw.down, lw.down_bias)
+            gate_up, residual = ops.add_rms_norm_linear(x, residual, lw.post_norm, eps, lw.gate_up, lw.gate_up_bias)
+            x = ops.silu_mul_linear(gate_up, lw.down, lw.down_bias)
         x, _ = ops.fused_add_rms_norm(x, residual, self.final_norm, eps)
         return x
 

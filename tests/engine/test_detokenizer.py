@@ -121,6 +121,33 @@ def test_random_ids_match_full_decode(toks, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_lazy_mode_gives_the_incremental_text(toks, kind):
+    """Lazy mode (final-only outputs without stop strings) collects ids and decodes when asked: the
+    same text as token-by-token decoding, read mid-way (visible_text) or at the end (flush), with
+    prompt context, unknown ids and partial characters; with stop strings it stays incremental."""
+    tok = toks[kind]
+    rng = random.Random(1)
+    pool = list(range(3, len(tok) + 5))  # a few ids past the tokenizer's vocabulary too
+    for prompt_text, out_text in CASES + [("", "")]:
+        prompt_ids = tok.encode(prompt_text) if prompt_text else []
+        out_ids = tok.encode(out_text, add_special_tokens=False) + [rng.choice(pool) for _ in range(12)]
+        eager = IncrementalDetokenizer(tok, prompt_ids)
+        lazy = IncrementalDetokenizer(tok, prompt_ids, lazy=True)
+        assert lazy.lazy
+        half = len(out_ids) // 2
+        for t in out_ids[:half]:
+            eager.add_token(t)
+            assert lazy.add_token(t) is None
+        assert lazy.visible_text(False) == eager.visible_text(False)
+        for t in out_ids[half:]:
+            eager.add_token(t)
+            lazy.add_token(t)
+        eager.flush(), lazy.flush()
+        assert lazy.text == eager.text and lazy.visible_text(True) == eager.visible_text(True)
+    assert not IncrementalDetokenizer(tok, [], stop=["x"], lazy=True).lazy
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_ids_beyond_tokenizer_vocab_decode_to_nothing(toks, kind):
     tok = toks[kind]
     V = len(tok)
