@@ -75,7 +75,11 @@ class StepGraphs:
         self.decode = decode_sizes(max_num_seqs)
         self.mixed = mixed_sizes(max(max_num_batched_tokens, 256))
         self.mixed_bq, self.g_pad = ta.tile_shape(cfg.num_heads, cfg.num_kv_heads, decode_only=False)
-        self.splits_of = lambda tiles: ta.num_splits_for(tiles, cfg.num_kv_heads, max_model_len, compute_units(dev))
+        units = compute_units(dev)
+        self.splits_of = lambda tiles: ta.num_splits_for(tiles, cfg.num_kv_heads, max_model_len, units)
+        # A small mixed step is typically a short prompt chunk over a long cached prefix (the
+        # prefix-cache hit): its few tiles each loop over the whole prefix, so split it finer.
+        self.mixed_splits_of = lambda tiles: ta.num_splits_for(tiles, cfg.num_kv_heads, max_model_len, units, 4, 32)
         T = max(self.mixed[-1], self.decode[-1])
         S = max_num_seqs
         tiles = max(self.decode[-1], self._max_tiles(self.mixed[-1]))
@@ -126,7 +130,7 @@ class StepGraphs:
             "block_q": 1 if kind == "decode" else self.mixed_bq, "g_pad": self.g_pad, "block_n": 64,
             # decode: split for the batch size; mixed: for one chunk of the bucket's size over a long
             # cached prefix (small buckets get splits, large ones have enough tiles already)
-            "splits": self.splits_of(tiles if kind == "decode" else -(-size // self.mixed_bq)),
+            "splits": self.splits_of(tiles) if kind == "decode" else self.mixed_splits_of(-(-size // self.mixed_bq)),
         }  # fmt: skip
         return meta
 

@@ -196,16 +196,17 @@ def plan_tiles(qsl: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndarray]:
     return seq, q0
 
 
-def num_splits_for(num_tiles: int, num_kv_heads: int, max_ctx: int, sm_count: int) -> int:
-    """Split the KV range when the tiles alone would not fill the device (about two programs per
+def num_splits_for(num_tiles: int, num_kv_heads: int, max_ctx: int, sm_count: int, per_unit: int = 2,
+                   max_splits: int = 16) -> int:  # fmt: skip
+    """Split the KV range when the tiles alone would not fill the device (`per_unit` programs per
     compute unit) and each split still gets at least 256 positions."""
     if triton_interpreting():
         return 1  # programs are costly there; the merge path has its own test
     programs = num_tiles * num_kv_heads
-    if programs >= 2 * sm_count or max_ctx < 512:
+    if programs >= per_unit * sm_count or max_ctx < 512:
         return 1
-    want = -(-2 * sm_count // programs)
-    return int(min(_next_pow2(want), 16, _next_pow2(max(1, max_ctx // 256))))
+    want = -(-per_unit * sm_count // programs)
+    return int(min(_next_pow2(want), max_splits, _next_pow2(max(1, max_ctx // 256))))
 
 
 def paged_attention(
