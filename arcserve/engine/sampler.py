@@ -139,8 +139,9 @@ def _static_row(req: Request, V: int) -> tuple[int, np.ndarray]:
     0 for the uniform number]) of one request's sampling parameters."""
     p = req.params
     temp = 0.0 if p.greedy else p.temperature
-    row = np.array([temp, 1.0 / temp if temp else 1.0, p.top_p, p.min_p, p.top_k if 0 < p.top_k < V else V, 0.0],
-                   dtype=np.float32)  # fmt: skip
+    row = np.array([temp, 1.0, p.top_p, p.min_p, p.top_k if 0 < p.top_k < V else V, 0.0], dtype=np.float32)
+    if temp:
+        row[_INV_T] = np.float32(1.0) / row[_TEMP]  # in float32, as the device uses it
     flags = (
         (_LOGPROBS if p.logprobs is not None else 0) | (_BIAS if p.logit_bias else 0)
         | (_MIN_TOKENS if p.min_tokens > 0 else 0) | (_PENALTIES if p.needs_penalties else 0)
