@@ -98,10 +98,8 @@ class LLM:
         ids = []
         try:
             for prompt, p, prio in zip(prompts, params, priority):
-                p = p.clone()
-                p.output_kind = RequestOutputKind.FINAL_ONLY
                 rid = str(next(self._ids))
-                engine.add_request(rid, prompt, p, priority=prio)
+                engine.add_prepared(engine.prepare_request(rid, prompt, p, priority=prio, output_kind=RequestOutputKind.FINAL_ONLY))
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)  # leave nothing half-started

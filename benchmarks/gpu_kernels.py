@@ -97,7 +97,6 @@ def attention_sweep() -> None:
         vc = torch.randn_like(kc)
         q = torch.randn(batch, h, d, device=DEV, dtype=BF16)
         plan = triton_attention.prepare(meta, h, kvh, DEV)
-        plan["block_q"] = 1  # as the decode graphs plan it
         fn = lambda: triton_attention.paged_attention(q, None, None, kc, vc, meta, d**-0.5, None, 0)  # noqa: E731
         for splits in ((1, 4, 16) if batch == 1 else (1,)):
             for block_n in (32, 64):

@@ -1,5 +1,6 @@
 """Where a GPU step's time goes (Qwen3-0.6B shape, dummy weights, bf16): host time to issue the work
-against device time, per piece. Prints one table.
+against device time, per piece. Prints profiler tables of a cached-prefix request and of a batch-1
+decode forward, cProfile of the cached-prefix request, then the table of pieces.
 
     python benchmarks/gpu_profile.py
 """

@@ -93,9 +93,8 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine stopped after an internal error: {self.dead!r}")
         prepared = []
         for prompt, params, request_id in items:
-            params = params.clone()
-            params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-            prepared.append(self.engine.prepare_request(request_id, prompt, params, time.time(), priority))
+            kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+            prepared.append(self.engine.prepare_request(request_id, prompt, params, time.time(), priority, kind))
         self._check_capacity(sum(g.params.n for g, _ in prepared))
         loop = asyncio.get_running_loop()
         streams = []

@@ -31,12 +31,6 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 _CPU_KV_DEFAULT = 4 << 30
 
 
-def _needs_history(handle: StepHandle) -> bool:
-    """Penalties read every earlier token on the host, so a step with a penalized request that just
-    sampled waits for those tokens before the next step is launched."""
-    return any(s.sample and s.request.params.needs_penalties for s in handle.sched.seqs)
-
-
 class LLMEngine(InputProcessor):
     def __init__(self, args: EngineArgs) -> None:
         super().__init__(args)
@@ -177,7 +171,7 @@ class LLMEngine(InputProcessor):
             return self._finish(handle)
         prev, self._in_flight = self._in_flight, None
         outs: list[RequestOutput] = []
-        if prev is not None and _needs_history(prev):
+        if prev is not None and prev.needs_history:  # penalties read every earlier token on the host
             outs, prev = self._finish(prev), None
         sched = self.scheduler.schedule()
         if not sched.is_empty:

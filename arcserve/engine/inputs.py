@@ -15,7 +15,7 @@ from arcserve.engine.output_processor import RequestGroup
 from arcserve.engine.request import Request
 from arcserve.models.config import ModelConfig
 from arcserve.models.hf_files import load_generation_defaults, load_tokenizer
-from arcserve.sampling_params import SamplingParams
+from arcserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 class InputProcessor:
@@ -82,14 +82,18 @@ class InputProcessor:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        output_kind: RequestOutputKind | None = None,
     ) -> tuple[RequestGroup, list[Request]]:
         """Tokenize and validate a request without touching engine state (safe from any thread).
-        Raises ValueError naming what is wrong."""
+        The request gets its own copy of params (with output_kind, when given). Raises ValueError
+        naming what is wrong."""
         params = params or self.default_sampling_params()
         text, ids = self.tokenize_prompt(prompt)
         self._validate(ids, params)
         params = params.clone()
         params._eos_token_ids = self.eos_token_ids
+        if output_kind is not None:
+            params.output_kind = output_kind
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)

@@ -42,6 +42,7 @@ class Histogram:
     def __post_init__(self) -> None:
         self.counts = [0] * (len(self.buckets) + 1)
         self.labels = [*map(str, self.buckets), "+Inf"]
+        self._edges = np.asarray(self.buckets)
 
     def observe(self, v: float) -> None:
         self.counts[bisect.bisect_left(self.buckets, v)] += 1
@@ -49,11 +50,9 @@ class Histogram:
         self.sum += v
 
     def observe_many(self, vs: list[float]) -> None:
-        if len(vs) < 16:
-            for v in vs:
-                self.observe(v)
+        if not vs:
             return
-        idx = np.searchsorted(np.asarray(self.buckets), np.asarray(vs), side="left")  # as bisect_left
+        idx = np.searchsorted(self._edges, vs, side="left")  # the bucket bisect_left picks
         for i, c in zip(*np.unique(idx, return_counts=True)):
             self.counts[i] += int(c)
         self.count += len(vs)

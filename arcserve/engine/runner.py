@@ -56,6 +56,8 @@ class StepHandle:
     logprob_rows: list[int] | None = None
     logprob_parts: tuple = ()  # token logprob, rank, top-k ids, top-k logprobs (or None)
     event: object = None
+    # A request sampled with penalties: the next step needs its tokens on the host first.
+    needs_history: bool = False
 
     def result(self) -> StepResult:
         if self.tokens is None:
@@ -248,6 +250,7 @@ class ModelRunner:
         self._last_tokens = so.tokens
         self._last_rows = {r.request_id: i for i, r in enumerate(reqs)}
         handle.reqs = reqs
+        handle.needs_history = so.penalized
         handle.tokens = to_host_async(so.tokens)
         if so.logprob_rows:
             handle.logprob_rows = so.logprob_rows

@@ -40,6 +40,7 @@ class SamplerOutput:
     topk_logprobs: torch.Tensor | None = None  # [R, K]
     token_logprob: torch.Tensor | None = None  # [R]
     token_rank: torch.Tensor | None = None  # [R]
+    penalized: bool = False  # some row applied penalties (they read the whole history on the host)
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -212,7 +213,7 @@ class Sampler:
             else:
                 tokens = sampled
 
-        out = SamplerOutput(tokens=tokens, logprob_rows=lp_rows)
+        out = SamplerOutput(tokens=tokens, logprob_rows=lp_rows, penalized=bool(pen_rows))
         if lp_rows:
             if len(lp_rows) == B:
                 lp, toks = raw_logprobs, tokens

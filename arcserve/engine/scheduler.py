@@ -124,10 +124,9 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            total = req.num_tokens + req.num_pending
-            if req.num_pending and (total - req.num_prompt_tokens >= req.max_tokens or total >= self.max_model_len):
+            if req.num_pending and self._at_length_limit(req, req.num_pending):
                 continue  # its last token is being sampled now: it finishes when the host reads it
-            n = min(total - req.num_computed_tokens, budget)
+            n = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
             while not self.kv.allocate(req, n):
@@ -236,6 +235,11 @@ class Scheduler:
             if token in p.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if self._at_length_limit(req):
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _at_length_limit(self, req: Request, pending: int = 0) -> bool:
+        """max_tokens or max_model_len reached, counting `pending` tokens still on the device."""
+        total = req.num_tokens + pending
+        return total - req.num_prompt_tokens >= req.max_tokens or total >= self.max_model_len

@@ -23,7 +23,6 @@ import torch
 from arcserve.kernels.reference import AttentionMetadata
 from arcserve.platform import (
     capture,
-    compute_units,
     graph_pool,
     new_event,
     new_graph,
@@ -74,12 +73,10 @@ class StepGraphs:
         self.device = dev
         self.decode = decode_sizes(max_num_seqs)
         self.mixed = mixed_sizes(max(max_num_batched_tokens, 256))
-        self.mixed_bq, self.g_pad = ta.tile_shape(cfg.num_heads, cfg.num_kv_heads, decode_only=False)
-        units = compute_units(dev)
-        self.splits_of = lambda tiles: ta.num_splits_for(tiles, cfg.num_kv_heads, max_model_len, units)
-        # A small mixed step is typically a short prompt chunk over a long cached prefix (the
-        # prefix-cache hit): its few tiles each loop over the whole prefix, so split it finer.
-        self.mixed_splits_of = lambda tiles: ta.num_splits_for(tiles, cfg.num_kv_heads, max_model_len, units, 4, 32)
+        # tokens per attention tile, by graph kind (mixed graphs size their tile bound with it)
+        self.block_q = {k: ta.tile_shape(cfg.num_heads, cfg.num_kv_heads, k == "decode")[0] for k in ("decode", "mixed")}
+        self.mixed_bq = self.block_q["mixed"]
+        self.tile_plan = ta.tile_plan
         T = max(self.mixed[-1], self.decode[-1])
         S = max_num_seqs
         tiles = max(self.decode[-1], self._max_tiles(self.mixed[-1]))
@@ -125,13 +122,13 @@ class StepGraphs:
         T, S, tiles = self._shape(kind, size)
         meta = AttentionMetadata(query_start_loc=st["qsl"][: S + 1], seq_lens=st["seq_lens"][:S],
                                  block_tables=st["block_tables"][:S], slot_mapping=st["slots"][:T])  # fmt: skip
-        meta.cache["triton"] = {
-            "tile_seq": st["tile_seq"][:tiles], "tile_q": st["tile_q"][:tiles], "num_tiles": tiles,
-            "block_q": 1 if kind == "decode" else self.mixed_bq, "g_pad": self.g_pad, "block_n": 64,
-            # decode: split for the batch size; mixed: for one chunk of the bucket's size over a long
-            # cached prefix (small buckets get splits, large ones have enough tiles already)
-            "splits": self.splits_of(tiles) if kind == "decode" else self.mixed_splits_of(-(-size // self.mixed_bq)),
-        }  # fmt: skip
+        # decode: split for the batch size; mixed: for one chunk of the bucket's size over a long
+        # cached prefix (small buckets get splits, large ones have enough tiles already)
+        cfg, decode = self.model.cfg, kind == "decode"
+        plan = self.tile_plan(cfg.num_heads, cfg.num_kv_heads, decode, tiles if decode else -(-size // self.mixed_bq),
+                              self.max_model_len, self.device)  # fmt: skip
+        plan.update(tile_seq=st["tile_seq"][:tiles], tile_q=st["tile_q"][:tiles], num_tiles=tiles)
+        meta.cache["triton"] = plan
         return meta
 
     def _forward(self, kind: str, size: int, meta: AttentionMetadata) -> torch.Tensor:
@@ -183,7 +180,7 @@ class StepGraphs:
         Tg, _, tiles = self._shape(kind, size)
         qsl, n = h["qsl"], len(h["seq_lens"])
         T = int(qsl[-1])
-        seq, q0 = self.plan_tiles(qsl, 1 if kind == "decode" else self.mixed_bq)
+        seq, q0 = self.plan_tiles(qsl, self.block_q[kind])
         hs["ids"][:T] = h["ids"]
         hs["positions"][:T] = h["positions"]
         hs["slots"][:T] = h["slots"]

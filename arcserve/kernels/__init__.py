@@ -37,7 +37,6 @@ def get_ops(kernels: str, device: torch.device) -> SimpleNamespace:
         linear=reference.linear,
         pack_linear_weight=reference.pack_linear_weight,
         fused_add_rms_norm=reference.fused_add_rms_norm,
-        silu_and_mul=reference.silu_and_mul,
         add_rms_norm_linear=reference.add_rms_norm_linear,
         silu_mul_linear=reference.silu_mul_linear,
         rope_cos_sin=reference.rope_cos_sin,
@@ -53,7 +52,6 @@ def get_ops(kernels: str, device: torch.device) -> SimpleNamespace:
         ops.update(
             linear=triton_linear.linear,
             fused_add_rms_norm=triton_ops.fused_add_rms_norm,
-            silu_and_mul=triton_ops.silu_and_mul,
             add_rms_norm_linear=triton_linear.add_rms_norm_linear,
             silu_mul_linear=triton_linear.silu_mul_linear,
             rope_cos_sin=triton_ops.rope_cos_sin,

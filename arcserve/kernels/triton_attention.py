@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from arcserve.kernels.reference import AttentionMetadata
-from arcserve.platform import compute_units, triton_interpreting, triton_launch_options
+from arcserve.platform import compute_units, to_device, triton_interpreting, triton_launch_options
 
 
 @triton.jit
@@ -174,14 +174,10 @@ def split_counters(n: int, device: torch.device) -> torch.Tensor:
     return buf
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def tile_shape(num_heads: int, num_kv_heads: int, decode_only: bool) -> tuple[int, int]:
-    """(BLOCK_Q tokens per tile, G_PAD heads per token): at least 16 rows; one token per tile for
-    decode-only steps, 64 rows for mixed ones."""
-    g_pad = _next_pow2(num_heads // num_kv_heads)
+    """(BLOCK_Q tokens per tile, G_PAD heads per token): at least 16 rows (what `tl.dot` needs on
+    XPU); a decode tile holds one sequence's one token, its other rows masked; 64 rows for mixed steps."""
+    g_pad = triton.next_power_of_2(num_heads // num_kv_heads)
     rows = 16 if decode_only else 64
     return max(1, rows // g_pad), g_pad
 
@@ -196,17 +192,31 @@ def plan_tiles(qsl: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndarray]:
     return seq, q0
 
 
-def num_splits_for(num_tiles: int, num_kv_heads: int, max_ctx: int, sm_count: int, per_unit: int = 2,
-                   max_splits: int = 16) -> int:  # fmt: skip
-    """Split the KV range when the tiles alone would not fill the device (`per_unit` programs per
-    compute unit) and each split still gets at least 256 positions."""
+def num_splits_for(num_tiles: int, num_kv_heads: int, max_ctx: int, units: int, decode_only: bool = True) -> int:
+    """Split the KV range when the tiles alone would not fill the device (2 programs per compute
+    unit for decode steps, up to 16 splits; 4 and 32 for mixed steps, whose few tiles are typically a
+    short prompt chunk over a long cached prefix) and each split still gets at least 256 positions."""
     if triton_interpreting():
         return 1  # programs are costly there; the merge path has its own test
+    per_unit, max_splits = (2, 16) if decode_only else (4, 32)
     programs = num_tiles * num_kv_heads
-    if programs >= per_unit * sm_count or max_ctx < 512:
+    if programs >= per_unit * units or max_ctx < 512:
         return 1
-    want = -(-per_unit * sm_count // programs)
-    return int(min(_next_pow2(want), max_splits, _next_pow2(max(1, max_ctx // 256))))
+    want = -(-per_unit * units // programs)
+    return int(min(triton.next_power_of_2(want), max_splits, triton.next_power_of_2(max(1, max_ctx // 256))))
+
+
+def tile_plan(num_heads: int, num_kv_heads: int, decode_only: bool, split_tiles: int, max_ctx: int,
+              device: torch.device) -> dict:  # fmt: skip
+    """A step's launch settings (the tile arrays aside), for eager steps and captured graphs alike:
+    split_tiles = the tiles that decide the split (a graph's: its bound)."""
+    block_q, g_pad = tile_shape(num_heads, num_kv_heads, decode_only)
+    return {
+        "block_q": block_q,
+        "g_pad": g_pad,
+        "block_n": 128 if triton_interpreting() else 64,  # fewer loop trips where each op is costly
+        "splits": num_splits_for(split_tiles, num_kv_heads, max_ctx, compute_units(device), decode_only),
+    }
 
 
 def paged_attention(
@@ -219,7 +229,7 @@ def paged_attention(
     T, H, D = q.shape
     kvh = k_cache.shape[2]
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
-    splits, head_pad = plan["splits"], _next_pow2(D)
+    splits, head_pad = plan["splits"], triton.next_power_of_2(D)
     grid = (plan["num_tiles"], kvh, splits)
     if splits > 1:  # every (token, head, split) of a real tile is written; padding rows are never read
         part = torch.empty(T, H, splits, head_pad, dtype=torch.float32, device=q.device)
@@ -248,17 +258,10 @@ def prepare(meta: AttentionMetadata, num_heads: int, num_kv_heads: int, device: 
     """Tiles for a step from the host copy of query_start_loc; cached in meta for every layer."""
     qsl, seq_lens = meta.host["query_start_loc"], meta.host["seq_lens"]
     decode_only = bool(((qsl[1:] - qsl[:-1]) <= 1).all())
-    block_q, g_pad = tile_shape(num_heads, num_kv_heads, decode_only)
-    seq, q0 = plan_tiles(qsl, block_q)
-    plan = {
-        "tile_seq": torch.from_numpy(seq).to(device),
-        "tile_q": torch.from_numpy(q0).to(device),
-        "num_tiles": len(seq),
-        "block_q": block_q,
-        "g_pad": g_pad,
-        "block_n": 128 if triton_interpreting() else 64,  # fewer loop trips where each op is costly
-        "splits": num_splits_for(len(seq), num_kv_heads, int(seq_lens.max()) if len(seq_lens) else 0,
-                                  compute_units(device)),
-    }
+    seq, q0 = plan_tiles(qsl, tile_shape(num_heads, num_kv_heads, decode_only)[0])
+    max_ctx = int(seq_lens.max()) if len(seq_lens) else 0
+    plan = tile_plan(num_heads, num_kv_heads, decode_only, len(seq), max_ctx, device)
+    tiles = to_device(np.stack([seq, q0]), device)  # one asynchronous copy
+    plan.update(tile_seq=tiles[0], tile_q=tiles[1], num_tiles=len(seq))
     meta.cache["triton"] = plan
     return plan

@@ -13,10 +13,6 @@ from arcserve.kernels import reference
 from arcserve.platform import triton_interpreting, triton_launch_options
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 # ---- KV store --------------------------------------------------------------------------------
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, n_tok, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -50,7 +46,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _store_kv_kernel[(triton.cdiv(T, rows),)](
         k, v, k_cache, v_cache, slots, T, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), BLOCK_SIZE=k_cache.shape[1], KVH=kvh, KVH_PAD=_pow2(kvh), D=d, D_PAD=_pow2(d), ROWS=rows,
+        v_cache.stride(2), BLOCK_SIZE=k_cache.shape[1], KVH=kvh, KVH_PAD=triton.next_power_of_2(kvh), D=d, D_PAD=triton.next_power_of_2(d), ROWS=rows,
         **triton_launch_options(),
     )  # fmt: skip
 
@@ -76,7 +72,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, out_ptr, res_out_ptr, w_ptr, n_rows, stride_x
 
 def _rows_per_program(n: int) -> int:
     """One row per program on a GPU; blocks of rows in the interpreter, where programs are costly."""
-    return min(64, _pow2(n)) if triton_interpreting() else 1
+    return min(64, triton.next_power_of_2(n)) if triton_interpreting() else 1
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -92,7 +88,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows = _rows_per_program(x2.shape[0])
         _rms_norm_kernel[(triton.cdiv(x2.shape[0], rows),)](
             x2, x2, out, out, weight, x2.shape[0], x2.stride(0), 0, out.stride(0), 0, eps,
-            N=n, BLOCK=_pow2(n), ROWS=rows, HAS_RES=False, **triton_launch_options(),
+            N=n, BLOCK=triton.next_power_of_2(n), ROWS=rows, HAS_RES=False, **triton_launch_options(),
         )  # fmt: skip
     return out.view(x.shape)
 
@@ -110,7 +106,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
         rows = _rows_per_program(x2.shape[0])
         _rms_norm_kernel[(triton.cdiv(x2.shape[0], rows),)](
             x2, r2, out, res, weight, x2.shape[0], x2.stride(0), r2.stride(0), out.stride(0), res.stride(0), eps,
-            N=n, BLOCK=_pow2(n), ROWS=rows, HAS_RES=True, **triton_launch_options(),
+            N=n, BLOCK=triton.next_power_of_2(n), ROWS=rows, HAS_RES=True, **triton_launch_options(),
         )  # fmt: skip
     return out.view(x.shape), res.view(x.shape)
 
@@ -154,8 +150,8 @@ def rotary_embedding(qk: torch.Tensor, rope: tuple, neox: bool = True) -> torch.
     if T:
         rows = _rows_per_program(T)
         _rope_kernel[(triton.cdiv(T, rows),)](
-            qk, positions, cos_sin, T, qk.stride(0), qk.stride(1), cos_sin.stride(0), NH=nh, NH_PAD=_pow2(nh),
-            HALF=half, HALF_PAD=_pow2(half), NEOX=neox, ROWS=rows, **triton_launch_options(),
+            qk, positions, cos_sin, T, qk.stride(0), qk.stride(1), cos_sin.stride(0), NH=nh, NH_PAD=triton.next_power_of_2(nh),
+            HALF=half, HALF_PAD=triton.next_power_of_2(half), NEOX=neox, ROWS=rows, **triton_launch_options(),
         )  # fmt: skip
     return qk
 
@@ -180,7 +176,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     n = x2.shape[1] // 2
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        block = min(1024, _pow2(n))
+        block = min(1024, triton.next_power_of_2(n))
         rows = _rows_per_program(x2.shape[0])
         _silu_mul_kernel[(triton.cdiv(x2.shape[0], rows), triton.cdiv(n, block))](
             x2, out, x2.shape[0], x2.stride(0), out.stride(0), N=n, BLOCK=block, ROWS=rows, **triton_launch_options()
@@ -257,7 +253,7 @@ def qkv_prepare(qkv: torch.Tensor, num_q: int, q_norm: torch.Tensor | None, k_no
             qkv, positions, cos_sin, q_norm if norm else qkv, k_norm if norm else qkv, k_cache, v_cache, slots, T,
             eps, qkv.stride(0), qkv.stride(1), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), NQ=num_q, NKV=nkv,
-            NH_PAD=_pow2(nh), HALF=d // 2, HALF_PAD=_pow2(d // 2), BLOCK_SIZE=k_cache.shape[1], NEOX=neox,
+            NH_PAD=triton.next_power_of_2(nh), HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2), BLOCK_SIZE=k_cache.shape[1], NEOX=neox,
             HAS_NORM=norm, ROWS=rows, **triton_launch_options(),
         )  # fmt: skip
     return qkv[:, :num_q], qkv[:, num_q : num_q + nkv], qkv[:, num_q + nkv :]

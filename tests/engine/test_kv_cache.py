@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from arcserve.engine.kv_cache import _ROOT_HASH, KVCacheManager, hash_block
@@ -55,9 +56,9 @@ def test_chained_hashes():
     assert a.block_hashes[0] != b.block_hashes[0]
     assert a.block_hashes == c.block_hashes
     # The chain: block i's hash is its parent's hash plus its own tokens.
-    assert a.block_hashes[0] == hash_block(_ROOT_HASH, [1, 2, 3, 4])
-    assert a.block_hashes[1] == hash_block(a.block_hashes[0], [5, 6, 7, 8])
-    assert hash_block(_ROOT_HASH, [5, 6, 7, 8]) != a.block_hashes[1]
+    assert a.block_hashes[0] == hash_block(_ROOT_HASH, np.array([1, 2, 3, 4], np.int64).tobytes())
+    assert a.block_hashes[1] == hash_block(a.block_hashes[0], np.array([5, 6, 7, 8], np.int64).tobytes())
+    assert hash_block(_ROOT_HASH, np.array([5, 6, 7, 8], np.int64).tobytes()) != a.block_hashes[1]
 
     # In the cache: a's blocks are found by a's hashes, b's second block is not.
     compute(kv, a, 9)

@@ -314,7 +314,8 @@ def test_seeded_numbers_are_uniform_and_keyed_by_seed_and_position():
     v = seeded_uniform(np.full(pos.shape, 8), pos)
     assert abs(np.corrcoef(u, v)[0, 1]) < 0.01  # neighbouring seeds too
     assert (seeded_uniform(np.full(pos.shape, 7), pos) == u).all()
-    assert seeded_uniform(np.array([-(2**63), 2**63 - 1]), np.array([0, 0])).tolist() != [u[0], u[0]]
+    ext = seeded_uniform(np.array([-(2**63), 2**63 - 1]), np.array([0, 0]))  # extreme seeds: no overflow
+    assert ext.tolist() != [u[0], u[0]] and ((ext >= 0) & (ext < 1)).all() and ext[0] != ext[1]
 
 
 def test_pending_tokens_count_for_the_sampled_position():

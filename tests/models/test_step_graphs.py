@@ -5,7 +5,7 @@ but the capture itself."""
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import ARCHS, DEVICE
 from test_oracle import expected, prompts_with_shared_prefix, run  # noqa: F401 F811 (fixture)
 
 from arcserve import LLM
@@ -43,7 +43,7 @@ def test_graph_path_matches_transformers(tiny_dirs, expected, arch, overlap):  #
             out = torch.empty(sg._shape(*key)[0], runner.model.cfg.hidden_size, device=DEVICE)
             sg.graphs[key] = (EagerReplay(sg, key, out), out)
         runner.graphs = sg
-    prompts = prompts_with_shared_prefix(["llama", "mistral", "qwen2", "qwen3"].index(arch))
+    prompts = prompts_with_shared_prefix(ARCHS.index(arch))
     assert run(llm, prompts) == expected[arch]  # 7 prompts, max 6 running: mixed and padded decode steps
     if DEVICE.type == "cpu":
         used = {k for k, (g, _) in runner.graphs.graphs.items() if g.replays}
