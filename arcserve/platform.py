@@ -82,6 +82,14 @@ def triton_available(device: torch.device) -> bool:
     return device.type in ("cuda", "xpu") or (device.type == "cpu" and triton_interpreting())
 
 
+def triton_min_dot_rows(device: torch.device) -> int:
+    """The fewest rows a `tl.dot` operand may have on this device's Triton backend: Intel XPU wants
+    16 in every dimension; NVIDIA's (and the interpreter) take fewer, which a decode tile uses: its
+    rows beyond the one token's heads are padding, and 16 of them made batch-1 decode on the H100
+    1.13 -> 1.33 ms per token (docs/BENCHMARKS.md)."""
+    return 16 if device.type == "xpu" else 1
+
+
 @functools.cache
 def triton_launch_options() -> dict:
     """Backend-specific launch options: large register files on Intel XPU, nothing elsewhere.

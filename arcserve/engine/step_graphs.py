@@ -74,7 +74,9 @@ class StepGraphs:
         self.decode = decode_sizes(max_num_seqs)
         self.mixed = mixed_sizes(max(max_num_batched_tokens, 256))
         # tokens per attention tile, by graph kind (mixed graphs size their tile bound with it)
-        self.block_q = {k: ta.tile_shape(cfg.num_heads, cfg.num_kv_heads, k == "decode")[0] for k in ("decode", "mixed")}
+        self.block_q = {
+            k: ta.tile_shape(cfg.num_heads, cfg.num_kv_heads, k == "decode", dev)[0] for k in ("decode", "mixed")
+        }
         self.mixed_bq = self.block_q["mixed"]
         self.tile_plan = ta.tile_plan
         T = max(self.mixed[-1], self.decode[-1])

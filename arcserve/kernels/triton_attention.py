@@ -3,8 +3,9 @@ and to themselves, causally) and decode tokens, in one launch. Twin: reference.p
 
 One program handles a tile of one sequence's new tokens times the query heads that share one KV
 head (GQA), so each K/V tile read from the cache serves every head of the group. The rows of a
-tile are (token, head-in-group) pairs: BLOCK_Q tokens x G_PAD heads, at least 16 rows so `tl.dot`
-keeps tiles of 16 or more in every dimension (what Intel XPU needs too).
+tile are (token, head-in-group) pairs: BLOCK_Q tokens x G_PAD heads; 64 rows in mixed steps, and in
+decode steps one token's heads, padded to the rows the backend's `tl.dot` needs (16 on Intel XPU,
+platform.triton_min_dot_rows).
 
 Long contexts with few tiles (a single long decode) would leave most of the GPU idle, so the KV
 range of each tile can be split across NUM_SPLITS programs (flash-decoding); each writes a partial
@@ -24,7 +25,13 @@ import triton
 import triton.language as tl
 
 from arcserve.kernels.reference import AttentionMetadata
-from arcserve.platform import compute_units, to_device, triton_interpreting, triton_launch_options
+from arcserve.platform import (
+    compute_units,
+    to_device,
+    triton_interpreting,
+    triton_launch_options,
+    triton_min_dot_rows,
+)
 
 
 @triton.jit
@@ -174,11 +181,11 @@ def split_counters(n: int, device: torch.device) -> torch.Tensor:
     return buf
 
 
-def tile_shape(num_heads: int, num_kv_heads: int, decode_only: bool) -> tuple[int, int]:
-    """(BLOCK_Q tokens per tile, G_PAD heads per token): at least 16 rows (what `tl.dot` needs on
-    XPU); a decode tile holds one sequence's one token, its other rows masked; 64 rows for mixed steps."""
+def tile_shape(num_heads: int, num_kv_heads: int, decode_only: bool, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_Q tokens per tile, G_PAD heads per token): 64 rows for mixed steps; a decode tile holds
+    one sequence's one token, padded only to the rows the backend's `tl.dot` needs."""
     g_pad = triton.next_power_of_2(num_heads // num_kv_heads)
-    rows = 16 if decode_only else 64
+    rows = triton_min_dot_rows(device) if decode_only else 64
     return max(1, rows // g_pad), g_pad
 
 
@@ -210,7 +217,7 @@ def tile_plan(num_heads: int, num_kv_heads: int, decode_only: bool, split_tiles:
               device: torch.device) -> dict:  # fmt: skip
     """A step's launch settings (the tile arrays aside), for eager steps and captured graphs alike:
     split_tiles = the tiles that decide the split (a graph's: its bound)."""
-    block_q, g_pad = tile_shape(num_heads, num_kv_heads, decode_only)
+    block_q, g_pad = tile_shape(num_heads, num_kv_heads, decode_only, device)
     return {
         "block_q": block_q,
         "g_pad": g_pad,
@@ -258,7 +265,7 @@ def prepare(meta: AttentionMetadata, num_heads: int, num_kv_heads: int, device: 
     """Tiles for a step from the host copy of query_start_loc; cached in meta for every layer."""
     qsl, seq_lens = meta.host["query_start_loc"], meta.host["seq_lens"]
     decode_only = bool(((qsl[1:] - qsl[:-1]) <= 1).all())
-    seq, q0 = plan_tiles(qsl, tile_shape(num_heads, num_kv_heads, decode_only)[0])
+    seq, q0 = plan_tiles(qsl, tile_shape(num_heads, num_kv_heads, decode_only, device)[0])
     max_ctx = int(seq_lens.max()) if len(seq_lens) else 0
     plan = tile_plan(num_heads, num_kv_heads, decode_only, len(seq), max_ctx, device)
     tiles = to_device(np.stack([seq, q0]), device)  # one asynchronous copy

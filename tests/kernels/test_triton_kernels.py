@@ -11,6 +11,7 @@ import random
 import numpy as np
 import pytest
 import torch
+import triton
 from conftest import DEVICE
 
 from arcserve.kernels import reference, triton_attention, triton_linear, triton_ops, triton_sampling
@@ -277,6 +278,18 @@ def test_split_kv_merge_equals_one_pass(splits):
         b = triton_attention.paged_attention(q, k, v, kc, vc, split, 0.125)
         assert rel_err(b, a) < 1e-5
         assert int(triton_attention.split_counters(1, DEVICE).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("heads,kvh", [(16, 8), (32, 8), (8, 8), (12, 4)])
+def test_tile_shape_pads_decode_tiles_only_where_the_backend_needs_it(heads, kvh):
+    """Decode tiles hold one token's heads; on Intel XPU they are padded to tl.dot's 16 rows; mixed
+    tiles have 64 rows everywhere."""
+    g_pad = triton.next_power_of_2(heads // kvh)
+    for dev in ("cpu", "cuda"):
+        assert triton_attention.tile_shape(heads, kvh, True, torch.device(dev)) == (1, g_pad)
+    bq, gp = triton_attention.tile_shape(heads, kvh, True, torch.device("xpu"))
+    assert gp == g_pad and bq * gp >= 16 and (bq - 1) * gp < 16
+    assert triton_attention.tile_shape(heads, kvh, False, torch.device("cuda")) == (64 // g_pad, g_pad)
 
 
 def test_plan_tiles_cover_every_token_once():
