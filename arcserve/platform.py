@@ -90,13 +90,44 @@ def triton_min_dot_rows(device: torch.device) -> int:
     return 16 if device.type == "xpu" else 1
 
 
+def triton_launch_options(device: torch.device) -> dict:
+    """Backend-specific options for every Triton launch on `device`:
+    - Intel XPU: large register files (grf_mode);
+    - NVIDIA from Hopper on: programmatic dependent launch. A kernel is launched while the one before
+      it still runs, does what needs nothing of that one's output (the GEMV streams its weights),
+      then waits for it (`triton_grid_dependency`). `launch_pdl` tells the driver, `PDL` the kernel:
+      every arcserve kernel takes that flag. At batch 1 a decode step is ~170 small kernels, and the
+      gap between two of them is most of the time of the small ones. ARCSERVE_PDL=0 turns it off.
+    Cached per device: asked at every launch, and the answer does not change within a process."""
+    return _launch_options(device.type, device.index)
+
+
 @functools.cache
-def triton_launch_options() -> dict:
-    """Backend-specific launch options: large register files on Intel XPU, nothing elsewhere.
-    Cached: asked at every kernel launch, and the answer does not change within a process."""
-    if _has_xpu() and not torch.cuda.is_available() and not triton_interpreting():
+def _launch_options(kind: str, index: int | None) -> dict:
+    if triton_interpreting():
+        return {}
+    if kind == "xpu":
         return {"grf_mode": "large"}
+    if kind == "cuda" and os.environ.get("ARCSERVE_PDL", "1") != "0":
+        wait, _ = triton_grid_dependency()
+        major = torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device())[0]
+        if wait is not None and major >= 9:
+            return {"launch_pdl": True, "PDL": True}
     return {}
+
+
+@functools.cache
+def triton_grid_dependency() -> tuple:
+    """(wait, launch_dependents): the Triton builtins of programmatic dependent launch, for kernels
+    to call where triton_launch_options gave them PDL=True; (None, None) where this Triton has none.
+    wait blocks until the kernel before has finished and its writes are visible; launch_dependents
+    lets the kernel after start early."""
+    import triton.language as tl
+
+    cuda = getattr(getattr(tl, "extra", None), "cuda", None)
+    if cuda is None or not hasattr(cuda, "gdc_wait"):
+        return None, None
+    return cuda.gdc_wait, cuda.gdc_launch_dependents
 
 
 @functools.cache

@@ -5,6 +5,8 @@ gaps do not count), over enough copies of its inputs to miss the L2 cache.
 
     python benchmarks/gpu_kernels.py            # prints one table: us, floor us, % of floor
     python benchmarks/gpu_kernels.py attention-sweep   # decode attention over launch settings
+    python benchmarks/gpu_kernels.py linear-sweep      # one-row linears: library, matrix-vector
+                                                       # kernel over tile settings, fused prologues
 """
 
 from __future__ import annotations
@@ -112,9 +114,43 @@ def attention_sweep() -> None:
 
 
 @torch.inference_mode()
+def linear_sweep() -> None:
+    """One-row linears of both models: the library GEMM, the matrix-vector kernel over tile sizes
+    and warp counts, and the fused prologues against the op + library pair they replace."""
+    bw = measure_ceilings()[0]
+    shapes = {"0.6b qkv": (4096, 1024), "0.6b down": (1024, 3072), "0.6b lm_head": (151936, 1024),
+              "8b qkv": (6144, 4096), "8b o": (4096, 4096), "8b gate_up": (28672, 4096),
+              "8b down": (4096, 14336), "8b lm_head": (128256, 4096)}  # fmt: skip
+    print(f"{'linear, 1 row':44s} {'us':>8s} {'% floor':>8s}")
+    for name, (n, k) in shapes.items():
+        ws = copies(lambda n=n, k=k: torch.randn(n, k, device=DEV, dtype=BF16) * 0.02, 2 * n * k)
+        x = torch.randn(1, 2 * k, device=DEV, dtype=BF16)
+        r = torch.randn(1, k, device=DEV, dtype=BF16)
+        nw = torch.ones(k, device=DEV, dtype=BF16)
+        floor = 2 * n * k / bw * 1e6
+        runs = {"library": lambda w: reference.linear(x[:, :k], w),
+                "norm + library": lambda w: reference.linear(triton_ops.fused_add_rms_norm(x[:, :k], r, nw, 1e-6)[0], w),
+                "silu_mul + library": lambda w: reference.linear(triton_ops.silu_and_mul(x), w)}  # fmt: skip
+        for tile in (8192,):
+            for warps in (4, 8):
+                triton_linear._TILE, triton_linear._WARPS = tile, warps
+                triton_linear._tiles.cache_clear()
+                t = graph_time([lambda w=w: triton_linear.gemv(x[:, :k], w) for w in ws])
+                print(f"{name + f' gemv tile {tile} warps {warps}':44s} {t:8.2f} {100 * floor / t:7.0f}%")
+        triton_linear._TILE, triton_linear._WARPS = 8192, 4
+        triton_linear._tiles.cache_clear()
+        runs["fused norm gemv"] = lambda w: triton_linear._launch(x[:, :k], w, None, 1, k, r, nw, torch.empty_like(r), 1e-6)
+        runs["fused silu_mul gemv"] = lambda w: triton_linear._launch(x, w, None, 2, k)
+        for label, fn in runs.items():
+            t = graph_time([lambda w=w: fn(w) for w in ws])
+            print(f"{name + ' ' + label:44s} {t:8.2f} {100 * floor / t:7.0f}%")
+
+
 def main() -> None:
     if sys.argv[1:] == ["attention-sweep"]:
         return attention_sweep()
+    if sys.argv[1:] == ["linear-sweep"]:
+        return linear_sweep()
     bw, flops = measure_ceilings()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write), bf16 matmul {flops / 1e12:.0f} TFLOP/s")
     rows = []

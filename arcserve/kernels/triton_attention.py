@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from arcserve.kernels.reference import AttentionMetadata
+from arcserve.kernels.triton_ops import wait_prior_kernel
 from arcserve.platform import (
     compute_units,
     to_device,
@@ -38,7 +39,7 @@ from arcserve.platform import (
 def _attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, lse_ptr, count_ptr,
     block_tables_ptr, seq_lens_ptr, qsl_ptr, tile_seq_ptr, tile_q_ptr,
-    scale, window,
+    scale, window, tile_base,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -47,9 +48,10 @@ def _attn_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    tile = tl.program_id(0)
+    wait_prior_kernel(PDL)  # before anything, the padding tiles' return included (see triton_ops)
+    tile = tl.program_id(0) + tile_base
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     b = tl.load(tile_seq_ptr + tile)
@@ -190,10 +192,13 @@ def tile_shape(num_heads: int, num_kv_heads: int, decode_only: bool, device: tor
 
 
 def plan_tiles(qsl: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndarray]:
-    """Host-side tile list for a step: (tile_seq, tile_q) int32 arrays."""
+    """Host-side tile list for a step: (tile_seq, tile_q) int32 arrays. Tiles of prompt chunks
+    (sequences with several new tokens) come first: a captured mixed graph splits the KV range of
+    its first tiles only (see paged_attention)."""
     q_lens = qsl[1:] - qsl[:-1]
-    n = -(-q_lens // block_q)
-    seq = np.repeat(np.arange(len(q_lens), dtype=np.int32), n)
+    order = np.argsort(q_lens <= 1, kind="stable").astype(np.int32)
+    n = -(-q_lens[order] // block_q)
+    seq = np.repeat(order, n)
     first = np.repeat(np.cumsum(n) - n, n)
     q0 = ((np.arange(len(seq)) - first) * block_q).astype(np.int32)
     return seq, q0
@@ -201,11 +206,13 @@ def plan_tiles(qsl: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndarray]:
 
 def num_splits_for(num_tiles: int, num_kv_heads: int, max_ctx: int, units: int, decode_only: bool = True) -> int:
     """Split the KV range when the tiles alone would not fill the device (2 programs per compute
-    unit for decode steps, up to 16 splits; 4 and 32 for mixed steps, whose few tiles are typically a
-    short prompt chunk over a long cached prefix) and each split still gets at least 256 positions."""
+    unit for decode steps, up to 16 splits; 4 and 8 for mixed steps, whose few tiles are typically a
+    short prompt chunk over a long cached prefix) and each split still gets at least 256 positions.
+    One program merges a tile's splits, reading them one after another: for a mixed tile of 64 rows,
+    32 splits took ~60 us per layer on the H100 (16 new tokens over a 4,096-token cached prefix)."""
     if triton_interpreting():
         return 1  # programs are costly there; the merge path has its own test
-    per_unit, max_splits = (2, 16) if decode_only else (4, 32)
+    per_unit, max_splits = (2, 16) if decode_only else (4, 8)
     programs = num_tiles * num_kv_heads
     if programs >= per_unit * units or max_ctx < 512:
         return 1
@@ -237,27 +244,35 @@ def paged_attention(
     kvh = k_cache.shape[2]
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     splits, head_pad = plan["splits"], triton.next_power_of_2(D)
-    grid = (plan["num_tiles"], kvh, splits)
     if splits > 1:  # every (token, head, split) of a real tile is written; padding rows are never read
         part = torch.empty(T, H, splits, head_pad, dtype=torch.float32, device=q.device)
         lse = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
-        counts = split_counters(grid[0] * kvh, q.device)
+        counts = split_counters(plan["num_tiles"] * kvh, q.device)
     else:
         part = lse = counts = out
-    _attn_kernel[grid](
-        q, k_cache, v_cache, out, part, lse, counts,
-        meta.block_tables, meta.seq_lens, meta.query_start_loc, plan["tile_seq"], plan["tile_q"],
-        scale, sliding_window or 0,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
-        meta.block_tables.stride(0),
-        G=H // kvh, G_PAD=plan["g_pad"], BLOCK_Q=plan["block_q"], HEAD_DIM=D, HEAD_PAD=head_pad,
-        BLOCK_N=plan["block_n"], BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=splits,
-        USE_WINDOW=sliding_window is not None, DOT_F32=q.dtype == torch.float32 or triton_interpreting(),
-        **plan.get("launch", {}), **triton_launch_options(),
-    )  # fmt: skip
+    # A captured mixed graph's tile bound is mostly padding (room for one tile per sequence); split
+    # only its first split_tiles tiles (the prompt chunks, plan_tiles) and run the rest unsplit in a
+    # second launch: the padding programs of a split grid cost ~60 us per layer for 16 new tokens
+    # over a 4,096-token cached prefix on the H100 (8,448 programs, 256 of them real).
+    split_tiles = min(plan.get("split_tiles", plan["num_tiles"]), plan["num_tiles"]) if splits > 1 else 0
+    launches = [(0, split_tiles, splits), (split_tiles, plan["num_tiles"] - split_tiles, 1)] if split_tiles else [(0, plan["num_tiles"], splits)]
+    for base, tiles, n_split in launches:
+        if tiles <= 0:
+            continue
+        _attn_kernel[(tiles, kvh, n_split)](
+            q, k_cache, v_cache, out, part, lse, counts,
+            meta.block_tables, meta.seq_lens, meta.query_start_loc, plan["tile_seq"], plan["tile_q"],
+            scale, sliding_window or 0, base,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            out.stride(0), out.stride(1),
+            meta.block_tables.stride(0),
+            G=H // kvh, G_PAD=plan["g_pad"], BLOCK_Q=plan["block_q"], HEAD_DIM=D, HEAD_PAD=head_pad,
+            BLOCK_N=plan["block_n"], BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=n_split,
+            USE_WINDOW=sliding_window is not None, DOT_F32=q.dtype == torch.float32 or triton_interpreting(),
+            **plan.get("launch", {}), **triton_launch_options(q.device),
+        )  # fmt: skip
     return out
 
 

@@ -10,7 +10,21 @@ import triton
 import triton.language as tl
 
 from arcserve.kernels import reference
-from arcserve.platform import triton_interpreting, triton_launch_options
+from arcserve.platform import triton_grid_dependency, triton_interpreting, triton_launch_options
+
+_wait_prior, _start_next = triton_grid_dependency()
+
+
+@triton.jit
+def wait_prior_kernel(PDL: tl.constexpr):
+    """The first act of every kernel launched with programmatic dependent launch (PDL=True from
+    platform.triton_launch_options): wait until the kernel before has finished (its writes are then
+    visible), then let the kernel after be launched, so its start overlaps this one. Loads of data no
+    kernel writes (weights) may come before it; every other load and every store after it.
+    Without PDL: nothing."""
+    if PDL:
+        _wait_prior()
+        _start_next()
 
 
 # ---- KV store --------------------------------------------------------------------------------
@@ -18,7 +32,8 @@ from arcserve.platform import triton_interpreting, triton_launch_options
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, n_tok, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch,
                      BLOCK_SIZE: tl.constexpr, KVH: tl.constexpr, KVH_PAD: tl.constexpr, D: tl.constexpr,
-                     D_PAD: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+                     D_PAD: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    wait_prior_kernel(PDL)
     t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     slot = tl.load(slot_ptr + t, mask=t < n_tok, other=-1).to(tl.int64)
     t = t[:, None, None]
@@ -47,14 +62,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k, v, k_cache, v_cache, slots, T, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), BLOCK_SIZE=k_cache.shape[1], KVH=kvh, KVH_PAD=triton.next_power_of_2(kvh), D=d, D_PAD=triton.next_power_of_2(d), ROWS=rows,
-        **triton_launch_options(),
+        **triton_launch_options(k.device),
     )  # fmt: skip
 
 
 # ---- RMSNorm ---------------------------------------------------------------------------------
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, out_ptr, res_out_ptr, w_ptr, n_rows, stride_x, stride_r, stride_o, stride_ro,
-                     eps, N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+                     eps, N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    wait_prior_kernel(PDL)
     row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS))[:, None]
     c = tl.arange(0, BLOCK)[None, :]
     m = (c < N) & (row < n_rows)
@@ -88,7 +104,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows = _rows_per_program(x2.shape[0])
         _rms_norm_kernel[(triton.cdiv(x2.shape[0], rows),)](
             x2, x2, out, out, weight, x2.shape[0], x2.stride(0), 0, out.stride(0), 0, eps,
-            N=n, BLOCK=triton.next_power_of_2(n), ROWS=rows, HAS_RES=False, **triton_launch_options(),
+            N=n, BLOCK=triton.next_power_of_2(n), ROWS=rows, HAS_RES=False, **triton_launch_options(x.device),
         )  # fmt: skip
     return out.view(x.shape)
 
@@ -106,7 +122,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
         rows = _rows_per_program(x2.shape[0])
         _rms_norm_kernel[(triton.cdiv(x2.shape[0], rows),)](
             x2, r2, out, res, weight, x2.shape[0], x2.stride(0), r2.stride(0), out.stride(0), res.stride(0), eps,
-            N=n, BLOCK=triton.next_power_of_2(n), ROWS=rows, HAS_RES=True, **triton_launch_options(),
+            N=n, BLOCK=triton.next_power_of_2(n), ROWS=rows, HAS_RES=True, **triton_launch_options(x.device),
         )  # fmt: skip
     return out.view(x.shape), res.view(x.shape)
 
@@ -115,7 +131,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
 @triton.jit
 def _rope_kernel(qk_ptr, pos_ptr, cs_ptr, n_tok, stride_t, stride_h, stride_cs, NH: tl.constexpr,
                  NH_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, NEOX: tl.constexpr,
-                 ROWS: tl.constexpr):  # fmt: skip
+                 ROWS: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    wait_prior_kernel(PDL)
     t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     pos = tl.load(pos_ptr + t, mask=t < n_tok, other=0).to(tl.int64)[:, None, None]
     t = t[:, None, None]
@@ -151,7 +168,7 @@ def rotary_embedding(qk: torch.Tensor, rope: tuple, neox: bool = True) -> torch.
         rows = _rows_per_program(T)
         _rope_kernel[(triton.cdiv(T, rows),)](
             qk, positions, cos_sin, T, qk.stride(0), qk.stride(1), cos_sin.stride(0), NH=nh, NH_PAD=triton.next_power_of_2(nh),
-            HALF=half, HALF_PAD=triton.next_power_of_2(half), NEOX=neox, ROWS=rows, **triton_launch_options(),
+            HALF=half, HALF_PAD=triton.next_power_of_2(half), NEOX=neox, ROWS=rows, **triton_launch_options(qk.device),
         )  # fmt: skip
     return qk
 
@@ -159,7 +176,8 @@ def rotary_embedding(qk: torch.Tensor, rope: tuple, neox: bool = True) -> torch.
 # ---- SiLU and mul ----------------------------------------------------------------------------
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, n_rows, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr,
-                     ROWS: tl.constexpr):  # fmt: skip
+                     ROWS: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    wait_prior_kernel(PDL)
     row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS))[:, None]
     c = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
     m = (c < N) & (row < n_rows)
@@ -179,7 +197,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         block = min(1024, triton.next_power_of_2(n))
         rows = _rows_per_program(x2.shape[0])
         _silu_mul_kernel[(triton.cdiv(x2.shape[0], rows), triton.cdiv(n, block))](
-            x2, out, x2.shape[0], x2.stride(0), out.stride(0), N=n, BLOCK=block, ROWS=rows, **triton_launch_options()
+            x2, out, x2.shape[0], x2.stride(0), out.stride(0), N=n, BLOCK=block, ROWS=rows, **triton_launch_options(x.device)
         )  # fmt: skip
     return out.view(*x.shape[:-1], n)
 
@@ -190,8 +208,9 @@ def _qkv_prepare_kernel(qkv_ptr, pos_ptr, cs_ptr, qn_ptr, kn_ptr, kc_ptr, vc_ptr
                         stride_t, stride_h, stride_cs, stride_cb, stride_cs_, stride_ch, stride_vb, stride_vs,
                         stride_vh, NQ: tl.constexpr, NKV: tl.constexpr, NH_PAD: tl.constexpr,
                         HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                        NEOX: tl.constexpr, HAS_NORM: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+                        NEOX: tl.constexpr, HAS_NORM: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """ROWS tokens x every head (q, k, v) of each: one pass, in place on qkv for q and k."""
+    wait_prior_kernel(PDL)
     t1 = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     pos = tl.load(pos_ptr + t1, mask=t1 < n_tok, other=0).to(tl.int64)[:, None, None]
     slot = tl.load(slot_ptr + t1, mask=t1 < n_tok, other=-1).to(tl.int64)[:, None, None]
@@ -254,6 +273,6 @@ def qkv_prepare(qkv: torch.Tensor, num_q: int, q_norm: torch.Tensor | None, k_no
             eps, qkv.stride(0), qkv.stride(1), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), NQ=num_q, NKV=nkv,
             NH_PAD=triton.next_power_of_2(nh), HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2), BLOCK_SIZE=k_cache.shape[1], NEOX=neox,
-            HAS_NORM=norm, ROWS=rows, **triton_launch_options(),
+            HAS_NORM=norm, ROWS=rows, **triton_launch_options(qkv.device),
         )  # fmt: skip
     return qkv[:, :num_q], qkv[:, num_q : num_q + nkv], qkv[:, num_q + nkv :]

@@ -13,11 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
+from arcserve.kernels.triton_ops import wait_prior_kernel
 from arcserve.platform import triton_interpreting, triton_launch_options
 
 
 @triton.jit
-def _sample_kernel(x_ptr, inv_t_ptr, u_ptr, out_ptr, V, stride_x, BLOCK_V: tl.constexpr):
+def _sample_kernel(x_ptr, inv_t_ptr, u_ptr, out_ptr, V, stride_x, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
+    wait_prior_kernel(PDL)
     row = tl.program_id(0)
     inv_t = tl.load(inv_t_ptr + row)
     u = tl.load(u_ptr + row)
@@ -62,5 +64,5 @@ def sample_from_cdf(x: torch.Tensor, inv_temp: torch.Tensor, u: torch.Tensor) ->
     assert x.stride(1) == 1
     out = torch.empty(B, dtype=torch.int64, device=x.device)
     block = 4096 if triton_interpreting() else 1024
-    _sample_kernel[(B,)](x, inv_temp, u, out, V, x.stride(0), BLOCK_V=block, num_warps=4, **triton_launch_options())
+    _sample_kernel[(B,)](x, inv_temp, u, out, V, x.stride(0), BLOCK_V=block, num_warps=4, **triton_launch_options(x.device))
     return out

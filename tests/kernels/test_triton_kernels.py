@@ -87,8 +87,14 @@ def test_silu_and_mul(dtype, rows, inter):
     assert rel_err(triton_ops.silu_and_mul(x), reference.silu_and_mul(x)) < TOL[dtype]
 
 
+# Several K tiles per program (the pipelined loop): (4, 512, 256) in the interpreter; on a GPU, whose
+# many programs take wider tiles, only a long K with many outputs (slow in the interpreter: GPU only).
+LONG_K = pytest.mark.gpu
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,n,k", [(1, 1, 64), (1, 1000, 100), (2, 7, 1024), (3, 300, 96), (4, 512, 256)])
+@pytest.mark.parametrize("m,n,k", [(1, 1, 64), (1, 1000, 100), (2, 7, 1024), (3, 300, 96), (4, 512, 256),
+                                   pytest.param(1, 4096, 2500, marks=LONG_K)])  # fmt: skip
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_matches_linear(dtype, m, n, k, bias):
     x = rand(m, k + 8, dtype=dtype)[:, 3 : 3 + k]  # rows with a stride, as views of wider tensors are
@@ -104,7 +110,7 @@ def test_gemv_matches_linear(dtype, m, n, k, bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,n,k", [(1, 1000, 100), (1, 96, 1024), (2, 300, 96)])
+@pytest.mark.parametrize("m,n,k", [(1, 1000, 100), (1, 96, 1024), (2, 300, 96), pytest.param(1, 4096, 3000, marks=LONG_K)])
 @pytest.mark.parametrize("first_layer", [False, True])
 def test_add_rms_norm_linear_fused(dtype, m, n, k, first_layer):
     """Residual add + RMSNorm fused into the matrix-vector kernel: the unfused composition's result and
@@ -123,7 +129,7 @@ def test_add_rms_norm_linear_fused(dtype, m, n, k, first_layer):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,n,inter", [(1, 64, 1536), (1, 1000, 100), (2, 33, 256)])
+@pytest.mark.parametrize("m,n,inter", [(1, 64, 1536), (1, 1000, 100), (2, 33, 256), pytest.param(1, 4096, 2100, marks=LONG_K)])
 def test_silu_mul_linear_fused(dtype, m, n, inter):
     x = rand(m, 2 * inter, dtype=dtype)
     w, b = rand(n, inter, dtype=dtype, scale=0.1), rand(n, dtype=dtype)
@@ -134,7 +140,8 @@ def test_silu_mul_linear_fused(dtype, m, n, inter):
 
 
 def test_fused_linears_take_the_kernel_only_where_it_fits(monkeypatch):
-    """One row and a small matrix: one fused launch; more rows or a wider matrix: the unfused pair."""
+    """One row and a decoder-sized matrix: one fused launch; more rows or an LM-head-wide matrix:
+    the unfused pair (the library's product)."""
     calls = []
     real = triton_linear._launch
     monkeypatch.setattr(triton_linear, "_launch", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
@@ -142,14 +149,17 @@ def test_fused_linears_take_the_kernel_only_where_it_fits(monkeypatch):
     triton_linear.silu_mul_linear(rand(1, 128), w)
     triton_linear.add_rms_norm_linear(rand(1, 64), rand(1, 64), rand(64), 1e-6, w)
     assert calls == [triton_linear._SILU_MUL, triton_linear._ADD_RMS_NORM]
-    triton_linear.linear(rand(1, 64), w)  # plain, one row, small: the matrix-vector kernel
+    triton_linear.linear(rand(1, 64), w)  # plain, one row: the matrix-vector kernel
     triton_linear.linear(rand(2, 64), w)  # two rows: the library
-    triton_linear.linear(rand(1, triton_linear.MAX_DIM + 1), rand(8, triton_linear.MAX_DIM + 1))  # wide: the library
+    monkeypatch.setattr(triton_linear, "MAX_N", 7)
+    triton_linear.linear(rand(1, 64), w)  # more outputs than MAX_N: the library
     assert calls == [triton_linear._SILU_MUL, triton_linear._ADD_RMS_NORM, triton_linear._PLAIN]
     calls.clear()
-    triton_linear.silu_mul_linear(rand(2, 128), w)
-    monkeypatch.setattr(triton_linear, "FUSED_MAX_ELEMENTS", 8 * 63)
-    triton_linear.add_rms_norm_linear(rand(1, 64), rand(1, 64), rand(64), 1e-6, w)
+    triton_linear.silu_mul_linear(rand(1, 128), w)
+    triton_linear.add_rms_norm_linear(rand(2, 64), rand(2, 64), rand(64), 1e-6, w)
+    monkeypatch.setattr(triton_linear, "MAX_N", 8)
+    monkeypatch.setattr(triton_linear, "NORM_MAX_K", 63)
+    triton_linear.add_rms_norm_linear(rand(1, 64), rand(1, 64), rand(64), 1e-6, w)  # row too long to fuse
     assert calls == [triton_linear._PLAIN]  # the unfused pair's matrix-vector product at one row
 
 
@@ -263,10 +273,13 @@ def test_paged_attention_half_precision_and_block_sizes(dtype, bs):
 
 
 @pytest.mark.parametrize("splits", [2, 4, 16])
-def test_split_kv_merge_equals_one_pass(splits):
+@pytest.mark.parametrize("split_tiles", [None, 1])
+def test_split_kv_merge_equals_one_pass(splits, split_tiles):
     """The flash-decoding split (partials, merged by the last split to finish) gives what one
     program over the whole range gives: decodes, a prefill chunk over a cached prefix, and a short
-    context where most splits are empty. Run twice: the merge counters are left at zero."""
+    context where most splits are empty. split_tiles=1: as in a captured mixed graph, only the first
+    tile (the chunk's, plan_tiles puts it first) splits, the other tiles and padding tiles run in a
+    second, unsplit launch. Run twice: the merge counters are left at zero."""
     rng = random.Random(7)
     q, k, v, kc, vc, meta = make_step(rng, [(300, 1), (90, 1), (40, 20), (3, 1)], 4, 2, 64, 16, torch.float32)
     one = fresh(meta)
@@ -274,7 +287,13 @@ def test_split_kv_merge_equals_one_pass(splits):
     a = triton_attention.paged_attention(q, k, v, kc, vc, one, 0.125)
     for _ in range(2):
         split = fresh(meta)
-        triton_attention.prepare(split, 4, 2, DEVICE)["splits"] = splits
+        plan = triton_attention.prepare(split, 4, 2, DEVICE)
+        plan["splits"] = splits
+        if split_tiles is not None:
+            assert int(plan["tile_seq"][0]) == 2  # the chunk's tile first
+            pad = torch.full((3,), -1, dtype=plan["tile_seq"].dtype, device=DEVICE)
+            plan.update(split_tiles=split_tiles, num_tiles=plan["num_tiles"] + 3,
+                        tile_seq=torch.cat([plan["tile_seq"], pad]), tile_q=torch.cat([plan["tile_q"], pad * 0]))  # fmt: skip
         b = triton_attention.paged_attention(q, k, v, kc, vc, split, 0.125)
         assert rel_err(b, a) < 1e-5
         assert int(triton_attention.split_counters(1, DEVICE).abs().sum()) == 0
@@ -297,6 +316,8 @@ def test_plan_tiles_cover_every_token_once():
     seq, q0 = triton_attention.plan_tiles(qsl, 8)
     covered = sorted((int(s), int(t)) for s, a in zip(seq, q0) for t in range(a, min(a + 8, qsl[s + 1] - qsl[s])))
     assert covered == [(s, t) for s in range(4) for t in range(int(qsl[s + 1] - qsl[s]))]
+    # prompt chunks' tiles first (a mixed graph splits those), then the single-token sequences'
+    assert seq.tolist() == [1, 1, 1, 3, 3, 3, 3, 3, 0, 2]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
