@@ -99,7 +99,7 @@ class LLM:
         try:
             for prompt, p, prio in zip(prompts, params, priority):
                 rid = str(next(self._ids))
-                engine.add_prepared(engine.prepare_request(rid, prompt, p, priority=prio, output_kind=RequestOutputKind.FINAL_ONLY))
+                engine.add_request(rid, prompt, p, priority=prio, output_kind=RequestOutputKind.FINAL_ONLY)
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)  # leave nothing half-started

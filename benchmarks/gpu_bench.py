@@ -6,7 +6,8 @@
               floor: weight bytes over the measured device copy bandwidth
   prefix      TTFT of a prompt whose 4,096-token prefix is cached, against the same prompt cold
 
-    python benchmarks/gpu_bench.py [throughput|decode|prefix|all] [--enforce-eager]
+    python benchmarks/gpu_bench.py [throughput|decode|decode-qwen3-0.6b|decode-llama-3.1-8b|prefix|all]
+                                   [--enforce-eager]
                                    [--async-scheduling on|off] [--out FILE]
 
 Model folders come from benchmarks/model_shapes.py (config.json + a small tokenizer), loaded with
@@ -107,10 +108,12 @@ def bench_prefix(a, dirs) -> dict:
     def prompt(prefix):
         return {"prompt_token_ids": prefix + [rng.randrange(1000, 150000) for _ in range(32)]}
 
-    def ttft(p) -> float:
+    def ttft(p, cached: int = 0) -> float:
         t = time.perf_counter()
-        llm.generate(p, sp, use_tqdm=False)
-        return time.perf_counter() - t
+        out = llm.generate(p, sp, use_tqdm=False)[0]
+        dt = time.perf_counter() - t
+        assert (out.num_cached_tokens or 0) >= cached, f"{out.num_cached_tokens} tokens from the cache, not {cached}"
+        return dt
 
     for _ in range(3):  # warm-up, with prefixes never used again
         ttft(prompt([rng.randrange(1000, 150000) for _ in range(4096)]))
@@ -118,7 +121,7 @@ def bench_prefix(a, dirs) -> dict:
     for _ in range(5):
         prefix = [rng.randrange(1000, 150000) for _ in range(4096)]
         cold.append(ttft(prompt(prefix)))  # nothing of it cached yet
-        cached.append(ttft(prompt(prefix)))  # the 4,096-token prefix is cached now
+        cached.append(ttft(prompt(prefix), cached=4096))  # the 4,096-token prefix is cached now
     cold.sort(), cached.sort()
     return {"bench": "prefix", "cold_ms": round(cold[2] * 1e3, 2), "cached_ms": round(cached[2] * 1e3, 2),
             "speedup": round(cold[2] / cached[2], 2)}  # fmt: skip
@@ -142,8 +145,9 @@ def main() -> None:
         flags = ["--engine", a.engine, "--models", a.models] + ["--enforce-eager"] * a.enforce_eager
         flags += ["--async-scheduling", a.async_scheduling] if a.async_scheduling else []
         flags += ["--out", a.out] if a.out else []
-        for part in parts:
-            subprocess.run([sys.executable, __file__, part, *flags], check=False)
+        failed = [part for part in parts if subprocess.run([sys.executable, __file__, part, *flags]).returncode]
+        if failed:  # the other parts still ran; their results stand
+            sys.exit(f"failed: {', '.join(failed)}")
         return
     if a.which.startswith("decode-"):
         r = bench_decode(a, dirs, a.which.removeprefix("decode-"))

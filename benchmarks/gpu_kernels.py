@@ -77,6 +77,17 @@ def decode_meta(batch: int, ctx: int, kvh: int, bs: int = 16):
     return meta, batch * nb
 
 
+def decode_attention(batch: int, ctx: int, h: int, kvh: int, d: int):
+    """(plan, fn): a decode step's attention over random bf16 KV; fn runs it, plan is its launch
+    settings (change them in place to try others)."""
+    meta, nblocks = decode_meta(batch, ctx, kvh)
+    kc = torch.randn(nblocks, 16, kvh, d, device=DEV, dtype=BF16)
+    vc = torch.randn_like(kc)
+    q = torch.randn(batch, h, d, device=DEV, dtype=BF16)
+    plan = triton_attention.prepare(meta, h, kvh, DEV)
+    return plan, lambda: triton_attention.paged_attention(q, None, None, kc, vc, meta, d**-0.5, None, 0)
+
+
 def prefill_meta(T: int):
     meta = AttentionMetadata(
         query_start_loc=torch.tensor([0, T], dtype=torch.int32, device=DEV),
@@ -94,12 +105,7 @@ def attention_sweep() -> None:
     h, kvh, d = 16, 8, 128
     print(f"{'batch':>5s} {'ctx':>6s} {'splits':>6s} {'block_n':>7s} {'warps':>5s} {'stages':>6s} {'us':>8s}")
     for batch, ctx in ((1, 256), (1, 512), (1, 2048), (64, 1024)):
-        meta, nblocks = decode_meta(batch, ctx, kvh)
-        kc = torch.randn(nblocks, 16, kvh, d, device=DEV, dtype=BF16)
-        vc = torch.randn_like(kc)
-        q = torch.randn(batch, h, d, device=DEV, dtype=BF16)
-        plan = triton_attention.prepare(meta, h, kvh, DEV)
-        fn = lambda: triton_attention.paged_attention(q, None, None, kc, vc, meta, d**-0.5, None, 0)  # noqa: E731
+        plan, fn = decode_attention(batch, ctx, h, kvh, d)
         for splits in ((1, 4, 16) if batch == 1 else (1,)):
             for block_n in (32, 64):
                 for warps in (1, 2, 4):
@@ -131,16 +137,19 @@ def linear_sweep() -> None:
         runs = {"library": lambda w: reference.linear(x[:, :k], w),
                 "norm + library": lambda w: reference.linear(triton_ops.fused_add_rms_norm(x[:, :k], r, nw, 1e-6)[0], w),
                 "silu_mul + library": lambda w: reference.linear(triton_ops.silu_and_mul(x), w)}  # fmt: skip
-        for tile in (8192,):
-            for warps in (4, 8):
-                triton_linear._TILE, triton_linear._WARPS = tile, warps
-                triton_linear._tiles.cache_clear()
-                t = graph_time([lambda w=w: triton_linear.gemv(x[:, :k], w) for w in ws])
-                print(f"{name + f' gemv tile {tile} warps {warps}':44s} {t:8.2f} {100 * floor / t:7.0f}%")
-        triton_linear._TILE, triton_linear._WARPS = 8192, 4
-        triton_linear._tiles.cache_clear()
-        runs["fused norm gemv"] = lambda w: triton_linear._launch(x[:, :k], w, None, 1, k, r, nw, torch.empty_like(r), 1e-6)
-        runs["fused silu_mul gemv"] = lambda w: triton_linear._launch(x, w, None, 2, k)
+        shipped = triton_linear._TILE, triton_linear._WARPS
+        try:
+            for tile in (8192, 16384):
+                for warps in (4, 8):
+                    triton_linear._TILE, triton_linear._WARPS = tile, warps
+                    triton_linear._tiles.cache_clear()
+                    t = graph_time([lambda w=w: triton_linear.gemv(x[:, :k], w) for w in ws])
+                    print(f"{name + f' gemv tile {tile} warps {warps}':44s} {t:8.2f} {100 * floor / t:7.0f}%")
+        finally:  # the fused rows below run with the shipped settings
+            triton_linear._TILE, triton_linear._WARPS = shipped
+            triton_linear._tiles.cache_clear()
+        runs["fused norm gemv"] = lambda w: triton_linear._launch(x[:, :k], w, None, triton_linear._ADD_RMS_NORM, k, r, nw, torch.empty_like(r), 1e-6)
+        runs["fused silu_mul gemv"] = lambda w: triton_linear._launch(x, w, None, triton_linear._SILU_MUL, k)
         for label, fn in runs.items():
             t = graph_time([lambda w=w: fn(w) for w in ws])
             print(f"{name + ' ' + label:44s} {t:8.2f} {100 * floor / t:7.0f}%")
@@ -159,7 +168,7 @@ def main() -> None:
         floor = max(nbytes / bw, nflops / flops) * 1e6
         rows.append((name, us, floor))
 
-    # Linear layers: library GEMM against the matrix-vector kernel, 1 to 4 rows.
+    # Linear layers: library GEMM against the matrix-vector kernel, 1, 2 and 64 rows.
     shapes = {"0.6b qkv": (4096, 1024), "0.6b o": (1024, 2048), "0.6b gate_up": (6144, 1024),
               "0.6b down": (1024, 3072), "0.6b lm_head": (151936, 1024), "8b qkv": (6144, 4096),
               "8b o": (4096, 4096), "8b gate_up": (28672, 4096), "8b down": (4096, 14336)}  # fmt: skip
@@ -211,12 +220,7 @@ def main() -> None:
     # Paged attention: decode (bytes: the KV read) and prefill (FLOPs: causal QK^T and PV).
     for h, kvh, d, label in ((16, 8, 128, "0.6b"), (32, 8, 128, "8b")):
         for batch, ctx in ((1, 256), (1, 512), (1, 8192), (64, 1024), (256, 1024)):
-            meta, nblocks = decode_meta(batch, ctx, kvh)
-            kc = torch.randn(nblocks, 16, kvh, d, device=DEV, dtype=BF16)
-            vc = torch.randn_like(kc)
-            q = torch.randn(batch, h, d, device=DEV, dtype=BF16)
-            plan = triton_attention.prepare(meta, h, kvh, DEV)
-            fn = lambda: triton_attention.paged_attention(q, None, None, kc, vc, meta, d**-0.5, None, 0)  # noqa: E731
+            plan, fn = decode_attention(batch, ctx, h, kvh, d)
             chosen = plan["splits"]
             for splits in sorted({chosen, 1, 4, 16}) if batch == 1 else [chosen]:
                 plan["splits"] = splits

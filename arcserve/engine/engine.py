@@ -23,7 +23,7 @@ from arcserve.kernels import get_ops
 from arcserve.models.loader import load_model
 from arcserve.outputs import RequestOutput
 from arcserve.platform import graphs_supported, memory_info, resolve_device
-from arcserve.sampling_params import SamplingParams
+from arcserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("arcserve")
 
@@ -135,9 +135,11 @@ class LLMEngine(InputProcessor):
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        output_kind: RequestOutputKind | None = None,
     ) -> None:
-        """Validate and queue a request. Raises ValueError (and changes nothing) on bad input."""
-        self.add_prepared(self.prepare_request(request_id, prompt, params, arrival_time, priority))
+        """Validate and queue a request. Raises ValueError (and changes nothing) on bad input.
+        output_kind overrides the params' (without touching the caller's params)."""
+        self.add_prepared(self.prepare_request(request_id, prompt, params, arrival_time, priority, output_kind))
 
     def abort_request(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

@@ -11,8 +11,6 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-import numpy as np
-
 
 def one_two_five(limit: int) -> list[float]:
     out, m = [], 1
@@ -42,7 +40,6 @@ class Histogram:
     def __post_init__(self) -> None:
         self.counts = [0] * (len(self.buckets) + 1)
         self.labels = [*map(str, self.buckets), "+Inf"]
-        self._edges = np.asarray(self.buckets)
 
     def observe(self, v: float) -> None:
         self.counts[bisect.bisect_left(self.buckets, v)] += 1
@@ -50,11 +47,11 @@ class Histogram:
         self.sum += v
 
     def observe_many(self, vs: list[float]) -> None:
-        if not vs:
-            return
-        idx = np.searchsorted(self._edges, vs, side="left")  # the bucket bisect_left picks
-        for i, c in zip(*np.unique(idx, return_counts=True)):
-            self.counts[i] += int(c)
+        # A plain loop: a numpy pass costs ~12 us however few the values (1-8 per step at small
+        # batches) and breaks even only near 256.
+        counts, buckets = self.counts, self.buckets
+        for v in vs:
+            counts[bisect.bisect_left(buckets, v)] += 1
         self.count += len(vs)
         self.sum += sum(vs)
 

@@ -157,23 +157,21 @@ class Sampler:
         self.rng = np.random.default_rng(seed)
         self.sample_from_cdf = sample_from_cdf  # the kernel namespace's (Triton on GPUs)
 
-    def _rows(self, reqs: list[Request], V: int) -> tuple[np.ndarray, np.ndarray]:
-        """(flags [B], float parameters [B, 6] without the uniform numbers): each request's are
-        computed once, at its first sampling, and kept on the request (its params never change)."""
+    def _rows(self, reqs: list[Request], V: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        """(flags [B], each row's float parameters [6] without the uniform number): computed once
+        per request, at its first sampling, and kept on the request (its params never change)."""
         rows = []
         for r in reqs:
             row = r.sampling_row
             if row is None:
                 row = r.sampling_row = _static_row(r, V)
             rows.append(row)
-        flags = np.fromiter((f for f, _ in rows), dtype=np.int64, count=len(rows))
-        return flags, np.stack([v for _, v in rows]) if rows else np.empty((0, 6), np.float32)
+        return np.fromiter((f for f, _ in rows), dtype=np.int64, count=len(rows)), [v for _, v in rows]
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         B, V = logits.shape
         dev = logits.device
-        params = [r.params for r in reqs]
-        flags, f = self._rows(reqs, V)
+        flags, param_rows = self._rows(reqs, V)
         some = int(np.bitwise_or.reduce(flags)) if B else 0
 
         def rows_with(flag: int) -> list[int]:
@@ -183,12 +181,12 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if lp_rows else None
 
         bias_rows = rows_with(_BIAS)
-        mask_rows = [i for i in rows_with(_MIN_TOKENS) if num_sampled(reqs[i]) < params[i].min_tokens]
+        mask_rows = [i for i in rows_with(_MIN_TOKENS) if num_sampled(reqs[i]) < reqs[i].params.min_tokens]
         pen_rows = rows_with(_PENALTIES)
         if bias_rows or mask_rows or pen_rows:
             logits = logits.clone()
         if bias_rows:
-            biases = [{t: b for t, b in params[i].logit_bias.items() if t < V} for i in bias_rows]
+            biases = [{t: b for t, b in reqs[i].params.logit_bias.items() if t < V} for i in bias_rows]
             rows, ids = _flat(bias_rows, [list(d) for d in biases])
             vals = np.fromiter(itertools.chain.from_iterable(d.values() for d in biases), np.float32, len(ids))
             ids_d = to_device(np.stack([rows, ids]), dev)
@@ -204,7 +202,8 @@ class Sampler:
         greedy = (flags & _GREEDY) != 0
         if greedy.all():
             tokens = logits.argmax(dim=-1)
-        else:
+        else:  # the parameter array only here: all-greedy steps (the common case) skip building it
+            f = np.concatenate(param_rows).reshape(B, 6)
             f[:, _U] = self._uniform(reqs, flags)
             f_d = to_device(f, dev)
             sampled = self._sample(logits, f_d, f)
@@ -220,7 +219,7 @@ class Sampler:
             else:
                 rows_d = to_device(np.asarray(lp_rows, dtype=np.int64), dev)
                 lp, toks = raw_logprobs[rows_d], tokens[rows_d]
-            k = max(params[i].logprobs for i in lp_rows)
+            k = max(reqs[i].params.logprobs for i in lp_rows)
             if k > 0:
                 out.topk_logprobs, out.topk_ids = lp.topk(k, dim=-1)
             chosen = lp.gather(1, toks[:, None])

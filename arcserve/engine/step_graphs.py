@@ -79,7 +79,6 @@ class StepGraphs:
         self.block_q = {
             k: ta.tile_shape(cfg.num_heads, cfg.num_kv_heads, k == "decode", dev)[0] for k in ("decode", "mixed")
         }
-        self.mixed_bq = self.block_q["mixed"]
         self.tile_plan = ta.tile_plan
         T = max(self.mixed[-1], self.decode[-1])
         S = max_num_seqs
@@ -113,7 +112,7 @@ class StepGraphs:
         self.graphs: dict[tuple[str, int], tuple] = {}
 
     def _max_tiles(self, tokens: int) -> int:
-        return -(-tokens // self.mixed_bq) + min(tokens, self.max_num_seqs)
+        return -(-tokens // self.block_q["mixed"]) + min(tokens, self.max_num_seqs)
 
     def _shape(self, kind: str, size: int) -> tuple[int, int, int]:
         """(tokens, sequences, tiles) of a graph."""
@@ -127,13 +126,12 @@ class StepGraphs:
         meta = AttentionMetadata(query_start_loc=st["qsl"][: S + 1], seq_lens=st["seq_lens"][:S],
                                  block_tables=st["block_tables"][:S], slot_mapping=st["slots"][:T])  # fmt: skip
         # decode: split for the batch size; mixed: for one chunk of the bucket's size over a long
-        # cached prefix (small buckets get splits, large ones have enough tiles already)
+        # cached prefix (small buckets get splits, large ones have enough tiles already), and only
+        # the chunk's tiles (first, plan_tiles) take the split, not the padding of the tile bound
         cfg, decode = self.model.cfg, kind == "decode"
-        plan = self.tile_plan(cfg.num_heads, cfg.num_kv_heads, decode, tiles if decode else -(-size // self.mixed_bq),
+        plan = self.tile_plan(cfg.num_heads, cfg.num_kv_heads, decode, tiles if decode else -(-size // self.block_q["mixed"]),
                               self.max_model_len, self.device)  # fmt: skip
         plan.update(tile_seq=st["tile_seq"][:tiles], tile_q=st["tile_q"][:tiles], num_tiles=tiles)
-        if not decode:  # the prompt chunks' tiles (first, plan_tiles) split; the padding bound does not
-            plan["split_tiles"] = -(-size // self.mixed_bq)
         meta.cache["triton"] = plan
         return meta
 

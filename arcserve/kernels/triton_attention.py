@@ -223,13 +223,15 @@ def num_splits_for(num_tiles: int, num_kv_heads: int, max_ctx: int, units: int, 
 def tile_plan(num_heads: int, num_kv_heads: int, decode_only: bool, split_tiles: int, max_ctx: int,
               device: torch.device) -> dict:  # fmt: skip
     """A step's launch settings (the tile arrays aside), for eager steps and captured graphs alike:
-    split_tiles = the tiles that decide the split (a graph's: its bound)."""
+    split_tiles = the tiles that decide the split and take it, the first ones (a decode graph's:
+    its bound; a mixed graph's: its prompt-chunk tiles, see paged_attention)."""
     block_q, g_pad = tile_shape(num_heads, num_kv_heads, decode_only, device)
     return {
         "block_q": block_q,
         "g_pad": g_pad,
         "block_n": 128 if triton_interpreting() else 64,  # fewer loop trips where each op is costly
         "splits": num_splits_for(split_tiles, num_kv_heads, max_ctx, compute_units(device), decode_only),
+        "split_tiles": split_tiles,
     }
 
 
@@ -254,10 +256,10 @@ def paged_attention(
     # only its first split_tiles tiles (the prompt chunks, plan_tiles) and run the rest unsplit in a
     # second launch. A 32-token prompt over a cached 4,096-token prefix (bucket 32: 1 chunk tile,
     # 33 tiles, 8 splits) had a TTFT of 4.9 ms with every tile split, 3.9 ms so (H100, gpu_bench prefix).
-    split_tiles = min(plan.get("split_tiles", plan["num_tiles"]), plan["num_tiles"]) if splits > 1 else 0
-    launches = [(0, split_tiles, splits), (split_tiles, plan["num_tiles"] - split_tiles, 1)] if split_tiles else [(0, plan["num_tiles"], splits)]
-    for base, tiles, n_split in launches:
-        if tiles <= 0:
+    n = plan["num_tiles"]
+    first = min(plan["split_tiles"], n) if splits > 1 else n
+    for base, tiles, n_split in ((0, first, splits), (first, n - first, 1)):
+        if not tiles:
             continue
         _attn_kernel[(tiles, kvh, n_split)](
             q, k_cache, v_cache, out, part, lse, counts,

@@ -166,13 +166,21 @@ def test_overlapped_seeded_sampling_matches_alone(llama_dir):
 
 
 def test_overlapped_engine_is_reusable_after_idle(llama_dir):
-    """A stop found one step late leaves a surplus step in flight; the next requests start cleanly."""
+    """A stop found one step late leaves a surplus step in flight; the next requests start cleanly.
+    The stop tokens come from a plain greedy run, so each request does end on them."""
     engine = make_engine(llama_dir, True, num_kv_blocks=64)
     ref = make_engine(llama_dir, False, num_kv_blocks=64)
     for round_ in range(3):
-        script = {0: [(f"r{round_}", [4 + round_, 5, 6], SamplingParams(temperature=0, max_tokens=8 + round_))]}
-        got = drive(engine, script, {})[f"r{round_}"].outputs[0].token_ids
-        assert got == drive(ref, script, {})[f"r{round_}"].outputs[0].token_ids
+        prompt = [4 + round_, 5, 6]
+        base = drive(ref, {0: [("b", prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))]}, {})
+        toks = base["b"].outputs[0].token_ids
+        stop = next(t for t in toks[4:] if toks.index(t) >= 4)  # first seen after a few steps
+        params = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop], ignore_eos=True)
+        script = {0: [(f"r{round_}", prompt, params)]}
+        got = drive(engine, script, {})[f"r{round_}"].outputs[0]
+        want = drive(ref, script, {})[f"r{round_}"].outputs[0]
+        assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason == "stop"
+        assert engine._in_flight is not None  # the surplus step, launched before the stop was read
         assert engine.scheduler.kv.usage() == 0.0
 
 

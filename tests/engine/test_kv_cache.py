@@ -304,7 +304,7 @@ class FakeRunner:
         return v
 
 
-def check_invariants(sched: Scheduler, out) -> None:
+def check_invariants(sched: Scheduler, out, overlap: bool) -> None:
     kv, pool = sched.kv, sched.kv.pool
     # The step's own limits.
     assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.seqs)
@@ -328,7 +328,8 @@ def check_invariants(sched: Scheduler, out) -> None:
     for req in sched.running:
         assert req.status == RequestStatus.RUNNING
         assert req.num_computed_tokens <= req.num_tokens + req.num_pending
-        assert req.num_pending <= 2  # one step in flight (its token) plus the one being read
+        # overlapped: one step in flight (its token) plus the one being read; else none
+        assert req.num_pending <= (2 if overlap else 0)
         assert len(kv.block_table(req.request_id)) * kv.block_size >= req.num_computed_tokens
     for _, _, req in sched._waiting:
         assert req.status == RequestStatus.WAITING
@@ -372,7 +373,7 @@ def test_random_workload_invariants(seed, policy, ending, overlap):
                 sched.on_sampled(*in_flight.pop())
             if not out.is_empty:
                 in_flight.append((out, sampled))
-        check_invariants(sched, out)
+        check_invariants(sched, out, overlap)
 
     for i in range(200):
         if num_added < 70 and rng.random() < 0.35:
@@ -399,7 +400,7 @@ def test_random_workload_invariants(seed, policy, ending, overlap):
             sched.finish_request(rid, RequestStatus.FINISHED_ABORTED)
         if in_flight:  # tokens of aborted requests are dropped
             assert sched.on_sampled(*in_flight.pop()) == []
-        check_invariants(sched, sched.schedule())
+        check_invariants(sched, sched.schedule(), overlap)
     else:
         for i in range(200, 2200):
             if not sched.has_unfinished():

@@ -299,6 +299,18 @@ def test_split_kv_merge_equals_one_pass(splits, split_tiles):
         assert int(triton_attention.split_counters(1, DEVICE).abs().sum()) == 0
 
 
+def test_num_splits_for_fills_the_device_within_its_caps(monkeypatch):
+    """Splits only where the tiles alone would leave compute units idle; at most 16 (decode) or 8
+    (mixed: one program merges a tile's splits in turn) and never under 256 positions per split."""
+    monkeypatch.setattr(triton_attention, "triton_interpreting", lambda: False)
+    f = triton_attention.num_splits_for
+    assert f(1, 8, 8192, 132, True) == 16 and f(1, 8, 8192, 132, False) == 8
+    assert f(1, 8, 1024, 132, True) == 4  # 256 positions per split at least
+    assert f(1, 8, 400, 132, True) == 1  # short contexts are not split
+    assert f(64, 8, 8192, 132, True) == 1  # 512 programs: enough already
+    assert f(8, 8, 8192, 132, True) == 8  # 64 programs: x8 reaches 2 per unit
+
+
 @pytest.mark.parametrize("heads,kvh", [(16, 8), (32, 8), (8, 8), (12, 4)])
 def test_tile_shape_pads_decode_tiles_only_where_the_backend_needs_it(heads, kvh):
     """Decode tiles hold one token's heads; on Intel XPU they are padded to tl.dot's 16 rows; mixed

@@ -42,6 +42,10 @@ def test_graph_path_matches_transformers(tiny_dirs, expected, arch, overlap):  #
         for key in [("decode", b) for b in sg.decode] + [("mixed", t) for t in sg.mixed]:
             out = torch.empty(sg._shape(*key)[0], runner.model.cfg.hidden_size, device=DEVICE)
             sg.graphs[key] = (EagerReplay(sg, key, out), out)
+            # a split, where there is one, takes every decode tile but only a mixed step's chunk tiles
+            plan = sg.graphs[key][0].meta.cache["triton"]
+            chunk_tiles = -(-key[1] // plan["block_q"])
+            assert plan["split_tiles"] == (plan["num_tiles"] if key[0] == "decode" else chunk_tiles) <= plan["num_tiles"]
         runner.graphs = sg
     prompts = prompts_with_shared_prefix(ARCHS.index(arch))
     assert run(llm, prompts) == expected[arch]  # 7 prompts, max 6 running: mixed and padded decode steps
