@@ -14,7 +14,7 @@ class EngineArgs:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None  # defaults to max_position_embeddings
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # per-step token budget; default 2048
+    max_num_batched_tokens: int | None = None  # per-step token budget; default 2048 on the CPU, 8192 on GPUs
     block_size: int = 16
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # fixes the KV cache size; else from kv_cache_memory_bytes

@@ -17,10 +17,14 @@ load_format="dummy". The same script drives vLLM with --engine vllm (same LLM/Sa
 from __future__ import annotations
 
 import argparse
+import cProfile
+import gc
 import json
+import pstats
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -71,16 +75,150 @@ def bench_throughput(a, dirs) -> dict:
     rng = random.Random(0)
     reqs = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(256)]
     prompts = [{"prompt_token_ids": [rng.randrange(1000, 150000) for _ in range(i)]} for i, _ in reqs]
-    llm, SP = engine(a, dirs["qwen3-0.6b"], max_model_len=4096)
+    kw = {"max_num_batched_tokens": a.max_num_batched_tokens} if a.max_num_batched_tokens else {}
+    llm, SP = engine(a, dirs["qwen3-0.6b"], max_model_len=4096, **kw)
     params = [SP(max_tokens=o, temperature=0.6, ignore_eos=True) for _, o in reqs]
     llm.generate(prompts[:8], [SP(max_tokens=16, ignore_eos=True)] * 8, use_tqdm=False)  # warm-up
+    steps = record_steps(a.profile_steps) if a.timeline else None
+    prof = cProfile.Profile() if a.cprofile else None
     t = time.perf_counter()
+    if prof:
+        prof.enable()
     outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t
+    if prof:
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert out_tokens == sum(o for _, o in reqs)
-    return {"bench": "throughput", "elapsed_s": round(dt, 2), "output_tok_s": round(out_tokens / dt, 1),
-            "total_tok_s": round((out_tokens + sum(i for i, _ in reqs)) / dt, 1)}  # fmt: skip
+    r = {"bench": "throughput", "elapsed_s": round(dt, 2), "output_tok_s": round(out_tokens / dt, 1),
+         "total_tok_s": round((out_tokens + sum(i for i, _ in reqs)) / dt, 1)}  # fmt: skip
+    if steps is not None:
+        cfg = json.loads((dirs["qwen3-0.6b"] / "config.json").read_text())
+        r["timeline"] = timeline_table(steps, t, cfg, copy_bandwidth(), a.timeline)
+    return r
+
+
+def record_steps(profile: str | None = None) -> StepLog:
+    """Wrap StepHandle.result to log each step as its tokens are read: (wait start, wait end,
+    sequences, batched tokens, decode sequences, context tokens read). In steady state the gap
+    between successive ends is the step's device time when the host keeps up (wait > 0).
+    profile="A:B" prints the device time per kernel of steps A to B (torch.profiler)."""
+    import torch
+
+    from arcserve.engine import runner
+
+    steps, orig = StepLog(), runner.StepHandle.result
+    lo, hi = map(int, profile.split(":")) if profile else (-1, -1)
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+
+    def result(self):
+        if len(steps) == lo:
+            prof.start()
+        elif len(steps) == hi:
+            prof.stop()
+            print(f"steps {lo}-{hi}, batch {steps[lo][2]}-{steps[hi - 1][2]}, context tokens "
+                  f"{steps[lo][5]}-{steps[hi - 1][5]}")  # fmt: skip
+            print(prof.key_averages().table(sort_by="device_time_total", row_limit=30, max_name_column_width=70))
+        t0 = time.perf_counter()
+        out = orig(self)
+        seqs = self.sched.seqs
+        dec = sum(1 for s in seqs if s.num_new_tokens == 1)
+        ctx = sum(s.start_pos + s.num_new_tokens for s in seqs)
+        steps.append((t0, time.perf_counter(), len(seqs), self.sched.num_batched_tokens, dec, ctx))
+        return out
+
+    runner.StepHandle.result = result
+
+    def gc_timer(phase, info, t=[0.0]):  # noqa: B006 (the start time, between the two phases)
+        if phase == "start":
+            t[0] = time.perf_counter()
+        elif info["generation"] == 2:
+            steps.gc.append((t[0], time.perf_counter()))
+
+    gc.callbacks.append(gc_timer)
+    return steps
+
+
+class StepLog(list):
+    """The steps, the full garbage collections (start, end) during them, and samples of the main
+    thread's stack every 2 ms (time, innermost frames) to tell where the host spent a slow step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gc: list = []
+        self.stacks: list = []
+        main, self.running = threading.main_thread().ident, True
+
+        def sample() -> None:
+            while self.running:
+                frame = sys._current_frames().get(main)
+                where = []
+                while frame is not None and len(where) < 16:
+                    where.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}")
+                    frame = frame.f_back
+                self.stacks.append((time.perf_counter(), " < ".join(where)))
+                time.sleep(0.002)
+
+        threading.Thread(target=sample, daemon=True).start()
+
+    def host_bound(self, start: float, min_ms: float = 15.0) -> None:
+        """Where the host was during steps that took over min_ms without waiting for the device."""
+        self.running = False
+        spans, prev = [], start
+        for t0, t1, *_ in self:
+            if (t1 - prev) * 1e3 > min_ms and (t1 - t0) < 1e-3:
+                spans.append((prev, t1))
+            prev = t1
+        counts: dict[str, int] = {}
+        compiles: dict[str, int] = {}
+        for t, where in self.stacks:
+            frames = where.split(" < ")
+            if any(a <= t <= b for a, b in spans):
+                key = " < ".join(frames[:6])
+                counts[key] = counts.get(key, 0) + 1
+            if any(f.startswith("compiler.py") for f in frames):  # a Triton compile, from where
+                key = " < ".join([f for f in frames if not f.startswith(("compiler.py", "jit.py"))][:4])
+                compiles[key] = compiles.get(key, 0) + 1
+        for where, n in compiles.items():
+            print(f"Triton compiling during the run: ~{2 * n} ms at {where}")
+        print(f"host-bound steps over {min_ms} ms: {len(spans)}, {sum(b - a for a, b in spans) * 1e3:.0f} ms; "
+              f"stack samples (2 ms apart) there:")  # fmt: skip
+        for where, n in sorted(counts.items(), key=lambda kv: -kv[1])[:12]:
+            print(f"{n:5d}  {where}")
+
+
+def timeline_table(steps: list, start: float, cfg: dict, bw: float, path: str) -> list:
+    """Group the steps (mixed, then decode by batch size) with their time and their floor: KV bytes
+    read (every context token's K and V in every layer) plus the weights, over copy bandwidth."""
+    kv_tok = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    w = weight_bytes(cfg)
+    Path(path).write_text(json.dumps({"start": start, "steps": steps, "gc": steps.gc}))
+    steps.host_bound(start)
+    import torch
+
+    mem = getattr(torch, torch.accelerator.current_accelerator().type).memory_stats()  # the caching allocator's
+    print("allocator: " + ", ".join(f"{k} {mem.get(k)}" for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")))
+    if steps.gc:
+        print(f"full garbage collections: {len(steps.gc)}, {sum(b - a for a, b in steps.gc) * 1e3:.1f} ms")
+    groups: dict[str, list] = {}
+    prev = start
+    for t0, t1, n, tok, dec, ctx in steps:
+        key = "mixed" if tok > n else f"decode <={1 << (n - 1).bit_length():4d}"
+        g = groups.setdefault(key, [0, 0.0, 0.0, 0.0, 0])
+        g[0] += 1
+        g[1] += t1 - prev
+        g[2] += t1 - t0
+        g[3] += (ctx * kv_tok + w) / bw
+        g[4] += dec
+        prev = t1
+    rows = []
+    for key, (cnt, took, wait, floor, dec) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
+        rows.append({"steps": key, "count": cnt, "ms": round(took * 1e3, 1), "wait_ms": round(wait * 1e3, 1),
+                     "floor_ms": round(floor * 1e3, 1), "tokens": dec})  # fmt: skip
+        print(f"{key:>14} {cnt:5d} steps {took * 1e3:9.1f} ms (waited {wait * 1e3:8.1f}) floor {floor * 1e3:8.1f} ms"
+              f" decode tokens {dec}")  # fmt: skip
+    return rows
 
 
 def bench_decode(a, dirs, name: str) -> dict:
@@ -137,6 +275,11 @@ def main() -> None:
                    help="overlapped steps (default: the engine's own default, on for GPUs)")
     p.add_argument("--models", default="/tmp/arcserve-shapes")
     p.add_argument("--out", default=None, help="append the JSON result lines to this file")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="throughput: the per-step token budget")
+    p.add_argument("--profile-steps", default=None, help="throughput with --timeline: A:B profiles steps A to B")
+    p.add_argument("--cprofile", action="store_true", help="throughput: host profile of the run (slows it)")
+    p.add_argument("--timeline", default=None, help="throughput: write each step's timing to this JSON file "
+                   "and print the steps grouped by kind against their KV-read floor")
     a = p.parse_args()
     dirs = make_shape_dirs(a.models)
     parts = {"all": ["decode-qwen3-0.6b", "decode-llama-3.1-8b", "prefix", "throughput"],

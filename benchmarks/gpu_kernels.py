@@ -101,22 +101,27 @@ def prefill_meta(T: int):
 
 @torch.inference_mode()
 def attention_sweep() -> None:
-    """Decode attention at batch 1 and 64 over launch settings: splits x BLOCK_N x warps x stages."""
+    """Decode attention over launch settings: splits x BLOCK_N x warps x stages, at batch 1 and at
+    the batches of a throughput run (64-256 sequences of ~700-1,024 tokens); % of the KV-read floor."""
+    from gpu_bench import copy_bandwidth
+
+    bw = copy_bandwidth()
     h, kvh, d = 16, 8, 128
-    print(f"{'batch':>5s} {'ctx':>6s} {'splits':>6s} {'block_n':>7s} {'warps':>5s} {'stages':>6s} {'us':>8s}")
-    for batch, ctx in ((1, 256), (1, 512), (1, 2048), (64, 1024)):
+    print(f"{'batch':>5s} {'ctx':>6s} {'splits':>6s} {'block_n':>7s} {'warps':>5s} {'stages':>6s} {'us':>8s} {'floor':>6s}")
+    for batch, ctx in ((1, 2048), (64, 1024), (128, 1024), (256, 768)):
         plan, fn = decode_attention(batch, ctx, h, kvh, d)
+        floor = 2 * 2 * batch * ctx * kvh * d / bw * 1e6
         for splits in ((1, 4, 16) if batch == 1 else (1,)):
-            for block_n in (32, 64):
-                for warps in (1, 2, 4):
-                    for stages in (1, 3):
+            for block_n in (32, 64, 128):
+                for warps in (2, 4, 8):
+                    for stages in (2, 3, 4):
                         plan.update(splits=splits, block_n=block_n, launch={"num_warps": warps, "num_stages": stages})
                         try:
                             us = graph_time([fn])
                         except Exception as e:  # noqa: BLE001 (a setting the compiler refuses)
                             print(f"{batch:5d} {ctx:6d} {splits:6d} {block_n:7d} {warps:5d} {stages:6d} failed: {type(e).__name__}")
                             continue
-                        print(f"{batch:5d} {ctx:6d} {splits:6d} {block_n:7d} {warps:5d} {stages:6d} {us:8.2f}")
+                        print(f"{batch:5d} {ctx:6d} {splits:6d} {block_n:7d} {warps:5d} {stages:6d} {us:8.2f} {100 * floor / us:5.0f}%")
 
 
 @torch.inference_mode()

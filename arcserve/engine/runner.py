@@ -123,7 +123,7 @@ def profile_peak_activations(model: DecoderModel, num_tokens: int, max_model_len
     hidden = model.forward(ids, positions, meta, [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_layers)])
     rows = min(max_num_seqs, num_tokens)
     logits = model.logits(hidden[-rows:])
-    logits.softmax(-1).sort(dim=-1, descending=True)[0].cumsum(-1)
+    logits.float().softmax(-1).sort(dim=-1, descending=True)[0].cumsum(-1)  # the sampler's largest path
     synchronize(dev)
     peak = memory_allocated(dev)[1]
     del kv, hidden, logits
@@ -279,7 +279,7 @@ class ModelRunner:
             for a in range(lo, hi, 256):  # bounded [rows, vocab] logits at a time
                 b = min(hi, a + 256)
                 rows = torch.arange(a, b, device=self.device) - s.start_pos + int(qsl[i])
-                lp = self.model.logits(hidden[rows]).log_softmax(dim=-1)
+                lp = self.model.logits(hidden[rows]).float().log_softmax(dim=-1)
                 target = torch.tensor(req.token_ids[a + 1 : b + 1], device=self.device)
                 chosen = lp.gather(1, target[:, None])[:, 0]
                 ranks = ((lp > chosen[:, None]).sum(dim=-1) + 1).tolist()

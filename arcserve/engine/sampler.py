@@ -8,7 +8,9 @@ overlapped). No token-level Python loop, no per-request device op.
 Order of processing, as in vLLM: logprobs are taken from the raw logits; then logit_bias, min_tokens
 (stop tokens masked), repetition/frequency/presence penalties; greedy rows take the argmax; the other
 rows apply temperature, top-k, top-p and min-p and sample by inverse CDF: one uniform number per row
-located in the row's cumulative distribution (kernels' sample_from_cdf: one Triton pass on GPUs).
+located in the row's cumulative distribution (kernels' sample_from_cdf: one Triton launch on GPUs).
+The logits come in the model's dtype; float32 copies are made only where needed (logprobs, edits,
+filters).
 
 The uniform numbers are drawn on the host. A seeded request's number is a hash of (its seed, the index
 of the token being sampled): counter-based, so a seeded request samples the same tokens whatever its
@@ -178,13 +180,13 @@ class Sampler:
             return np.flatnonzero(flags & flag).tolist() if some & flag else []
 
         lp_rows = rows_with(_LOGPROBS)
-        raw_logprobs = logits.log_softmax(dim=-1) if lp_rows else None
+        raw_logprobs = logits.float().log_softmax(dim=-1) if lp_rows else None
 
         bias_rows = rows_with(_BIAS)
         mask_rows = [i for i in rows_with(_MIN_TOKENS) if num_sampled(reqs[i]) < reqs[i].params.min_tokens]
         pen_rows = rows_with(_PENALTIES)
-        if bias_rows or mask_rows or pen_rows:
-            logits = logits.clone()
+        if bias_rows or mask_rows or pen_rows:  # edited in place: a float32 copy
+            logits = logits.to(torch.float32, copy=True)
         if bias_rows:
             biases = [{t: b for t, b in reqs[i].params.logit_bias.items() if t < V} for i in bias_rows]
             rows, ids = _flat(bias_rows, [list(d) for d in biases])
@@ -205,10 +207,15 @@ class Sampler:
         else:  # the parameter array only here: all-greedy steps (the common case) skip building it
             f = np.concatenate(param_rows).reshape(B, 6)
             f[:, _U] = self._uniform(reqs, flags)
-            f_d = to_device(f, dev)
+            # Uploaded by columns, each padded to a multiple of 4 floats: every column then starts
+            # 16-byte aligned whatever B is. (Column views of the row-major array had the kernel's
+            # alignment of u change at B = 1, a fresh Triton compile of ~300 ms mid-run.)
+            cols = np.zeros((6, -(-B // 4) * 4), dtype=np.float32)
+            cols[:, :B] = f.T
+            f_d = to_device(cols, dev)[:, :B]
             sampled = self._sample(logits, f_d, f)
             if greedy.any():
-                tokens = torch.where(f_d[:, _TEMP] == 0, logits.argmax(dim=-1), sampled)
+                tokens = torch.where(f_d[_TEMP] == 0, logits.argmax(dim=-1), sampled)
             else:
                 tokens = sampled
 
@@ -239,13 +246,14 @@ class Sampler:
         return np.minimum(u, 1.0 - 2.0**-24)  # float32 rounding must not reach 1
 
     def _sample(self, logits: torch.Tensor, f_d: torch.Tensor, f: np.ndarray) -> torch.Tensor:
+        """f: [B, 6] parameters on the host; f_d: the same on the device by columns, [6, B]."""
         V = logits.shape[1]
-        inv_t = f_d[:, _INV_T]
-        top_k = f_d[:, _TOP_K].long() if (f[:, _TOP_K] < V).any() else None
-        top_p = f_d[:, _TOP_P] if (f[:, _TOP_P] < 1.0).any() else None
-        min_p = f_d[:, _MIN_P] if (f[:, _MIN_P] > 0.0).any() else None
+        inv_t = f_d[_INV_T]
+        top_k = f_d[_TOP_K].long() if (f[:, _TOP_K] < V).any() else None
+        top_p = f_d[_TOP_P] if (f[:, _TOP_P] < 1.0).any() else None
+        min_p = f_d[_MIN_P] if (f[:, _MIN_P] > 0.0).any() else None
         if top_k is not None or top_p is not None or min_p is not None:
-            # the filters act on the temperature-scaled distribution
-            logits = apply_top_k_top_p_min_p(logits * inv_t[:, None], top_k, top_p, min_p)
+            # the filters act on the temperature-scaled distribution (in float32)
+            logits = apply_top_k_top_p_min_p(logits.float() * inv_t[:, None], top_k, top_p, min_p)
             inv_t = torch.ones_like(inv_t)
-        return self.sample_from_cdf(logits, inv_t, f_d[:, _U].contiguous())
+        return self.sample_from_cdf(logits, inv_t, f_d[_U])

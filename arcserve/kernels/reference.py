@@ -24,7 +24,9 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
         weight.device.type == "cpu"
         and weight.dtype in (torch.bfloat16, torch.float16)
         and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        # per dtype: a CPU with bf16 support may lack the fp16 path (seen on an AMD EPYC)
+        and (torch.ops.mkldnn._is_mkldnn_bf16_supported() if weight.dtype == torch.bfloat16
+             else torch.ops.mkldnn._is_mkldnn_fp16_supported())
     ):
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_BATCH_HINT)
     return weight
@@ -71,8 +73,9 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def sample_from_cdf(x: torch.Tensor, inv_temp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: per row, the first token whose cumulative probability under
-    softmax(x * inv_temp) exceeds u (in [0, 1)). Tokens at -inf (filtered out) are never picked."""
-    cdf = (x * inv_temp[:, None]).softmax(dim=-1).cumsum(dim=-1)
+    softmax(x * inv_temp) (in float32, whatever x's dtype) exceeds u (in [0, 1)). Tokens at -inf
+    (filtered out) are never picked."""
+    cdf = (x.float() * inv_temp[:, None]).softmax(dim=-1).cumsum(dim=-1)
     # right=True: the first index whose cumulative mass exceeds u, so zero-probability tokens
     # (flat steps of the cdf) are never picked. u is scaled by the row total (float rounding).
     picked = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)[:, 0]

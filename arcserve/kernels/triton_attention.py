@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from arcserve.kernels.reference import AttentionMetadata
-from arcserve.kernels.triton_ops import wait_prior_kernel
+from arcserve.kernels.triton_ops import wait_prior_kernel, zeroed_counters
 from arcserve.platform import (
     compute_units,
     to_device,
@@ -165,24 +165,6 @@ def _attn_kernel(
             tl.atomic_xchg(counter, 0)
 
 
-_counters: dict[str, torch.Tensor] = {}
-_retired: list[torch.Tensor] = []  # captured graphs may still point at an outgrown counter buffer
-
-
-def split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """A zeroed int32 buffer of at least n counters for the split merge (kernels leave it zeroed).
-    One per device, grown (never freed) outside graph capture: a graph's warm-up run, with the
-    same shapes, allocates what its capture needs."""
-    key = str(device)
-    buf = _counters.get(key)
-    if buf is None or buf.numel() < n:
-        if buf is not None:
-            _retired.append(buf)
-        buf = _counters[key] = torch.zeros(max(n, 4096, 2 * (buf.numel() if buf is not None else 0)),
-                                           dtype=torch.int32, device=device)  # fmt: skip
-    return buf
-
-
 def tile_shape(num_heads: int, num_kv_heads: int, decode_only: bool, device: torch.device) -> tuple[int, int]:
     """(BLOCK_Q tokens per tile, G_PAD heads per token): 64 rows for mixed steps; a decode tile holds
     one sequence's one token, padded only to the rows the backend's `tl.dot` needs."""
@@ -249,7 +231,7 @@ def paged_attention(
     if splits > 1:  # every (token, head, split) of a real tile is written; padding rows are never read
         part = torch.empty(T, H, splits, head_pad, dtype=torch.float32, device=q.device)
         lse = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
-        counts = split_counters(plan["num_tiles"] * kvh, q.device)
+        counts = zeroed_counters(plan["num_tiles"] * kvh, q.device)
     else:
         part = lse = counts = out
     # A captured mixed graph's tile bound is mostly padding (room for one tile per sequence); split

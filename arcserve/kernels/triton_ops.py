@@ -27,6 +27,26 @@ def wait_prior_kernel(PDL: tl.constexpr):
         _start_next()
 
 
+_counters: dict[str, torch.Tensor] = {}
+_retired: list[torch.Tensor] = []  # captured graphs may still point at an outgrown counter buffer
+
+
+def zeroed_counters(n: int, device: torch.device) -> torch.Tensor:
+    """A zeroed int32 buffer of at least n counters for kernels whose last program to finish merges
+    the others' work (attention's KV splits, sampling's vocabulary chunks); every such kernel leaves
+    its counters at 0, so launches one after another on a stream share the buffer. One per device,
+    grown (never freed) outside graph capture: a graph's warm-up run, with the same shapes,
+    allocates what its capture needs."""
+    key = str(device)
+    buf = _counters.get(key)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _retired.append(buf)
+        buf = _counters[key] = torch.zeros(max(n, 4096, 2 * (buf.numel() if buf is not None else 0)),
+                                           dtype=torch.int32, device=device)  # fmt: skip
+    return buf
+
+
 # ---- KV store --------------------------------------------------------------------------------
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, n_tok, stride_kt, stride_kh, stride_vt, stride_vh,
