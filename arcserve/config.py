@@ -28,6 +28,9 @@ class EngineArgs:
     enforce_eager: bool = False  # GPU: no decode graphs
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights from config.json; benchmarks)
     async_scheduling: bool | None = None  # overlapped steps; None = on for GPUs, off on the CPU
+    # speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_min": a, "prompt_lookup_max": b} or {"model": DRAFT_DIR, "num_speculative_tokens": k}
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -44,6 +47,9 @@ class EngineArgs:
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two from 1 to 128, got {self.block_size}")
+        from arcserve.engine.speculative import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
     @classmethod
     def field_names(cls) -> set[str]:

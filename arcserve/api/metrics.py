@@ -20,6 +20,9 @@ _COUNTERS = {
     "arcserve:prompt_tokens_total": "Prompt tokens prefilled.",
     "arcserve:generation_tokens_total": "Tokens generated.",
     "arcserve:num_preemptions_total": "Preemptions (requests recomputed after their blocks were taken).",
+    "arcserve:spec_decode_num_drafts_total": "Speculative decoding: verifications of a request with drafts.",
+    "arcserve:spec_decode_num_draft_tokens_total": "Speculative decoding: draft tokens proposed.",
+    "arcserve:spec_decode_num_accepted_tokens_total": "Speculative decoding: draft tokens accepted.",
 }
 _HISTOGRAMS = {
     "arcserve:time_to_first_token_seconds": "Time from arrival to first token.",
@@ -51,6 +54,12 @@ class EngineCollector:
                                 labels=["model_name", "finished_reason"])  # fmt: skip
         for reason in FINISH_REASONS:
             c.add_metric([self.model_name, reason], m["arcserve:request_success_total"].get(reason, 0))
+        yield c
+        c = CounterMetricFamily("arcserve:spec_decode_num_accepted_tokens_per_pos",
+                                "Speculative decoding: draft tokens accepted, by position in the draft.",
+                                labels=["model_name", "position"])  # fmt: skip
+        for pos, n in m["arcserve:spec_decode_num_accepted_tokens_per_pos"].items():
+            c.add_metric([self.model_name, str(pos)], n)
         yield c
         for name, doc in _HISTOGRAMS.items():
             h = m[name]

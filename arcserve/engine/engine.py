@@ -19,6 +19,7 @@ from arcserve.engine.policy import make_policy
 from arcserve.engine.request import Request, RequestStatus
 from arcserve.engine.runner import ModelRunner, StepHandle, kv_cache_bytes_per_block, profile_peak_activations
 from arcserve.engine.scheduler import Scheduler
+from arcserve.engine.speculative import DraftLength, accept
 from arcserve.kernels import get_ops
 from arcserve.models.loader import load_model
 from arcserve.outputs import RequestOutput
@@ -55,9 +56,16 @@ class LLMEngine(InputProcessor):
         self.max_num_batched_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS.get(
             self.device.type, GPU_MAX_NUM_BATCHED_TOKENS
         )
+        spec = args.speculative_config
+        self.draft_model = None
+        if spec is not None and spec.method == "draft_model":  # loaded before the KV cache is sized
+            from arcserve.engine.draft import load_draft_model
+
+            self.draft_model = load_draft_model(spec.model, self, ops)
         num_blocks = self._num_kv_blocks()
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, args.seed, self.max_model_len,
                                   args.max_num_seqs)  # fmt: skip
+        self.runner.speculative = spec is not None
         # Graphs need attention that plans on the device (the Triton kernels), not the torch twin's host plan.
         if self.device.type != "cpu" and not args.enforce_eager and graphs_supported(self.device) and ops.name == "triton":
             t0 = time.time()
@@ -74,11 +82,29 @@ class LLMEngine(InputProcessor):
         # Overlapped steps: on by default on GPUs; the synchronous loop stays for the CPU and debugging.
         self.async_scheduling = args.async_scheduling if args.async_scheduling is not None else self.device.type != "cpu"
         self._in_flight: StepHandle | None = None
+        self.proposer = None
+        if spec is not None:
+            self.draft_length = DraftLength(spec.num_speculative_tokens)
+            self._spec_logged = time.monotonic()
+            if spec.method == "ngram":
+                from arcserve.engine.ngram import NgramProposer
+
+                self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            else:
+                from arcserve.engine.draft import DraftProposer
+
+                self.proposer = DraftProposer(self.draft_model, num_blocks, args, self.max_model_len,
+                                              self.max_num_batched_tokens, ops)  # fmt: skip
+            logger.info("Speculative decoding: %s, up to %d draft tokens per step",
+                        spec.method if spec.method == "ngram" else f"draft model {spec.model}",
+                        spec.num_speculative_tokens)  # fmt: skip
 
     # ---- startup ----------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
         a = self.args
         per_block = kv_cache_bytes_per_block(self.model, a.block_size)
+        if self.draft_model is not None:  # the draft's cache has as many blocks as the target's
+            per_block += kv_cache_bytes_per_block(self.draft_model, a.block_size)
         if a.num_kv_blocks is not None:
             num_blocks = a.num_kv_blocks
         else:
@@ -172,7 +198,10 @@ class LLMEngine(InputProcessor):
         (which the device finished while the host scheduled) and emit its outputs; step N+1 takes
         step N's tokens on the device. Stops are applied one step late: a request that stopped at
         step N computed one surplus token in step N+1, which is dropped."""
+        due = self._spec_due() if self.proposer is not None else None
         if not self.async_scheduling:
+            if due:
+                self._propose(due)
             sched = self.scheduler.schedule()
             if sched.is_empty:
                 return []
@@ -181,8 +210,13 @@ class LLMEngine(InputProcessor):
             return self._finish(handle)
         prev, self._in_flight = self._in_flight, None
         outs: list[RequestOutput] = []
-        if prev is not None and prev.needs_history:  # penalties read every earlier token on the host
+        # Read the previous step first when penalties need every earlier token on the host, when it
+        # verified drafts (how many were accepted decides the next positions), or when requests
+        # speculate now (proposals start from the tokens on the host).
+        if prev is not None and (prev.needs_history or prev.row_counts is not None or due):
             outs, prev = self._finish(prev), None
+        if due:
+            self._propose(due)
         sched = self.scheduler.schedule()
         if not sched.is_empty:
             self._in_flight = self.runner.launch(sched)
@@ -191,6 +225,51 @@ class LLMEngine(InputProcessor):
             outs = self._finish(prev)
         return outs
 
+    def _spec_due(self) -> list[Request]:
+        """The running requests that decode next and speculate in this step (not paused)."""
+        tick = self.draft_length.tick
+        return [r for r in self.scheduler.running if r.num_tokens + r.num_pending - r.num_computed_tokens == 1 and tick(r)]
+
+    def _propose(self, due: list[Request]) -> None:
+        """Drafts for the due requests (speculative.py), with every token on the host."""
+        wanted = []
+        limit = self.max_model_len
+        for req in due:
+            if req.status != RequestStatus.RUNNING or req.num_pending or req.num_tokens - req.num_computed_tokens != 1:
+                continue  # finished or preempted by the step read just now
+            # a step yields up to k + 1 tokens: stay within max_tokens and max_model_len
+            room = min(req.max_tokens - req.num_output_tokens, limit - req.num_tokens) - 1
+            k = min(self.draft_length.state(req).k, room)
+            if k > 0:
+                wanted.append((req, k))
+        self.proposer.propose(wanted, self.scheduler.running)
+        if self.proposer.empty_is_miss:  # prompt lookup that found nothing: a miss (pauses lookups)
+            for req, _ in wanted:
+                if not req.spec_token_ids:
+                    self.draft_length.update(req, 0, 0)
+
+    def _verify(self, handle: StepHandle, tokens: dict) -> None:
+        """Replace each speculating request's row tokens by its accepted tokens; count them."""
+        counts = []
+        for seq in handle.sched.seqs:
+            drafts = seq.spec_token_ids
+            if drafts:
+                rid = seq.request.request_id
+                tokens[rid] = got = accept(drafts, tokens[rid])
+                self.draft_length.update(seq.request, len(drafts), len(got) - 1)
+                counts.append((len(drafts), len(got) - 1))
+        self.metrics.on_spec(counts)
+        now = time.monotonic()
+        if now - self._spec_logged >= 10.0:
+            self._spec_logged = now
+            s = self.metrics.spec
+            if s.num_drafts:
+                logger.info(
+                    "Speculative decoding: mean acceptance length %.2f, %d of %d draft tokens accepted (%.1f%%), "
+                    "accepted per position %s", s.mean_acceptance_length, s.num_accepted_tokens,
+                    s.num_draft_tokens, 100.0 * s.num_accepted_tokens / s.num_draft_tokens, s.accepted_per_pos,
+                )  # fmt: skip
+
     def _finish(self, handle: StepHandle) -> list[RequestOutput]:
         """Read a launched step's tokens (waiting for the device) and turn them into outputs."""
         result = handle.result()
@@ -198,6 +277,10 @@ class LLMEngine(InputProcessor):
             req = self.scheduler.requests.get(rid)
             if req is not None:
                 self.outputs.on_prompt_logprobs(req, entries)
+        before = None  # speculating requests: their token count before this step's tokens
+        if handle.row_counts is not None:
+            self._verify(handle, result.tokens)
+            before = {s.request.request_id: s.request.num_tokens for s in handle.sched.seqs if s.spec_token_ids}
         got = self.scheduler.on_sampled(handle.sched, result.tokens)
         now = time.time()
         touched: dict[str, RequestGroup] = {}
@@ -205,14 +288,18 @@ class LLMEngine(InputProcessor):
         logprobs = result.logprobs
         for req in got:
             m = req.metrics
-            if m.first_token_time is None:
-                ttfts.append(now - m.arrival_time)
-                prompt_tokens += req.num_prompt_tokens
-                m.first_token_time = now
+            rid = req.request_id
+            if before is not None and rid in before:
+                stop_str = self._on_tokens(req, before[rid], logprobs.get(rid), now, itls)
             else:
-                itls.append(now - m.last_token_time)
+                if m.first_token_time is None:
+                    ttfts.append(now - m.arrival_time)
+                    prompt_tokens += req.num_prompt_tokens
+                    m.first_token_time = now
+                else:
+                    itls.append(now - m.last_token_time)
+                stop_str = self.outputs.on_token(req, req.token_ids[-1], logprobs.get(rid) if logprobs else None)
             m.last_token_time = now
-            stop_str = self.outputs.on_token(req, req.token_ids[-1], logprobs.get(req.request_id) if logprobs else None)
             if stop_str is not None:  # a stop string wins over a length stop in the same step
                 if req.is_finished:
                     req.status = RequestStatus.FINISHED_STOPPED
@@ -232,6 +319,19 @@ class LLMEngine(InputProcessor):
             if group.finished:
                 self.outputs.remove(group.request_id)
         return outs
+
+    def _on_tokens(self, req: Request, before: int, lps: list | None, now: float, itls: list) -> str | None:
+        """Detokenize the tokens a speculating request got this step (each with its own row's
+        logprobs); a stop string drops the tokens after it. Their inter-token latencies share the
+        step's interval equally."""
+        new = req.num_tokens - before
+        itls += [(now - req.metrics.last_token_time) / new] * new
+        for j in range(new):
+            stop_str = self.outputs.on_token(req, req.token_ids[before + j], lps[j] if lps else None, before + j + 1)
+            if stop_str is not None:
+                del req.token_ids[before + j + 1 :]
+                return stop_str
+        return None
 
     # ---- figures ------------------------------------------------------------------------------
     def _record_finish(self, req: Request) -> None:
@@ -256,6 +356,10 @@ class LLMEngine(InputProcessor):
                 "arcserve:generation_tokens_total": m.generation_tokens,
                 "arcserve:request_success_total": dict(m.success),
                 "arcserve:num_preemptions_total": st.num_preemptions,
+                "arcserve:spec_decode_num_drafts_total": m.spec.num_drafts,
+                "arcserve:spec_decode_num_draft_tokens_total": m.spec.num_draft_tokens,
+                "arcserve:spec_decode_num_accepted_tokens_total": m.spec.num_accepted_tokens,
+                "arcserve:spec_decode_num_accepted_tokens_per_pos": dict(enumerate(m.spec.accepted_per_pos)),
             }
             for name, h in m.hist.items():
                 out[f"arcserve:{name}"] = {"count": h.count, "sum": h.sum, "buckets": h.cumulative()}

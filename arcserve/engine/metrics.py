@@ -11,6 +11,8 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from arcserve.engine.speculative import SpecFigures
+
 
 def one_two_five(limit: int) -> list[float]:
     out, m = [], 1
@@ -69,6 +71,7 @@ class EngineMetrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.success: dict[str, int] = defaultdict(int)  # finished_reason -> count
+        self.spec = SpecFigures()
         tokens = one_two_five(max_model_len)
         self.hist = {
             "time_to_first_token_seconds": Histogram(TTFT_BUCKETS),
@@ -88,6 +91,12 @@ class EngineMetrics:
             self.prompt_tokens += prompt_tokens
             self.hist["time_to_first_token_seconds"].observe_many(ttfts)
             self.hist["inter_token_latency_seconds"].observe_many(itls)
+
+    def on_spec(self, counts: list[tuple[int, int]]) -> None:
+        """One step's verifications: (drafts, accepted drafts) per speculating request."""
+        with self.lock:
+            for proposed, accepted in counts:
+                self.spec.record(proposed, accepted)
 
     def on_finish(self, reason: str, num_prompt: int, num_generated: int, e2e: float, queue: float | None) -> None:
         with self.lock:

@@ -77,8 +77,10 @@ class OutputProcessor:
             self._decode_entries(e)
         req.prompt_logprobs.extend(entries)
 
-    def on_token(self, req: Request, token: int, logprob) -> str | None:
-        """Record one new token; returns the stop string if one now ends the sequence."""
+    def on_token(self, req: Request, token: int, logprob, num_tokens: int | None = None) -> str | None:
+        """Record one new token; returns the stop string if one now ends the sequence. num_tokens:
+        the sequence's length up to this token, when later tokens are already appended (speculative
+        decoding adds several per step)."""
         group, seq = self.seq_of[req.request_id]
         if logprob is not None:
             lp, entries = logprob
@@ -88,7 +90,8 @@ class OutputProcessor:
         if seq.detok is None:
             return None
         # As in vLLM, stop strings (like EOS and stop_token_ids) only end a sequence after min_tokens.
-        return seq.detok.add_token(token, check_stop=req.num_output_tokens > req.params.min_tokens)
+        n_out = (req.num_tokens if num_tokens is None else num_tokens) - req.num_prompt_tokens
+        return seq.detok.add_token(token, check_stop=n_out > req.params.min_tokens)
 
     def on_finish(self, req: Request, reason: str, stop_reason) -> None:
         group, seq = self.seq_of[req.request_id]

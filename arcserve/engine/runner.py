@@ -39,8 +39,10 @@ from arcserve.platform import (
 
 @dataclass
 class StepResult:
-    tokens: dict[str, int]  # request id -> sampled token
-    logprobs: dict[str, tuple[float, dict[int, Logprob]]]  # request id -> (token logprob, entries)
+    # request id -> sampled token; for a speculating request, the list of its rows' tokens
+    tokens: dict[str, int | list[int]]
+    # request id -> (token logprob, entries); for a speculating request, a list of them by row
+    logprobs: dict[str, tuple[float, dict[int, Logprob]] | list]
     prompt_logprobs: dict[str, list[dict[int, Logprob]]]  # request id -> entries for new prompt tokens
 
 
@@ -58,6 +60,8 @@ class StepHandle:
     event: object = None
     # A request sampled with penalties: the next step needs its tokens on the host first.
     needs_history: bool = False
+    # Speculative decoding: rows per sampling request (reqs then repeats each request that often).
+    row_counts: list[int] | None = None
 
     def result(self) -> StepResult:
         if self.tokens is None:
@@ -66,12 +70,21 @@ class StepHandle:
         tokens = self.tokens.tolist()
         reqs = self.reqs
         result = StepResult({r.request_id: t for r, t in zip(reqs, tokens)}, {}, self.prompt_logprobs)
+        if self.row_counts is not None:  # speculating requests: every row's token, in order
+            i = 0
+            for c in self.row_counts:
+                if c > 1:
+                    result.tokens[reqs[i].request_id] = tokens[i : i + c]
+                i += c
         if self.logprob_rows:
             tok_lp, ranks, top_ids, top_lp = (x.tolist() if x is not None else None for x in self.logprob_parts)
             for j, i in enumerate(self.logprob_rows):
                 req = reqs[i]
                 entries = _entries(tokens[i], tok_lp[j], ranks[j], top_ids, top_lp, j, req.params.logprobs)
-                result.logprobs[req.request_id] = (tok_lp[j], entries)
+                if isinstance(result.tokens[req.request_id], list):
+                    result.logprobs.setdefault(req.request_id, []).append((tok_lp[j], entries))
+                else:
+                    result.logprobs[req.request_id] = (tok_lp[j], entries)
         return result
 
 
@@ -140,6 +153,7 @@ class ModelRunner:
         self.max_model_len = max_model_len or model.cos_sin.shape[0]
         self.max_num_seqs = max_num_seqs
         self.graphs: StepGraphs | None = None
+        self.speculative = False  # steps may carry drafts (ScheduledSeq.spec_token_ids)
         cfg = model.cfg
         self.kv = torch.zeros(
             cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
@@ -240,13 +254,22 @@ class ModelRunner:
         self._last_rows = {}
         if not sampling:
             return handle
+        reqs = [out.seqs[i].request for i in sampling]
+        offsets = None
         if len(sampling) == hidden.shape[0]:  # one sampled token per row (decode): no gather
             logits = self.model.logits(hidden)
         else:
             last = h["qsl"][1:][sampling] - 1
+            if self.speculative:  # a speculating request samples at its last token and every draft
+                nspec = np.fromiter((len(out.seqs[i].spec_token_ids) for i in sampling), np.int64, len(sampling))
+                if nspec.any():
+                    counts = nspec + 1
+                    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+                    last = np.repeat(last - nspec, counts) + offsets
+                    reqs = [r for r, c in zip(reqs, counts.tolist()) for _ in range(c)]
+                    handle.row_counts = counts.tolist()
             logits = self.model.logits(hidden[to_device(last, self.device)])
-        reqs = [out.seqs[i].request for i in sampling]
-        so = self.sampler(logits, reqs)
+        so = self.sampler(logits, reqs, offsets)
         self._last_tokens = so.tokens
         self._last_rows = {r.request_id: i for i, r in enumerate(reqs)}
         handle.reqs = reqs

@@ -16,6 +16,10 @@ The uniform numbers are drawn on the host. A seeded request's number is a hash o
 of the token being sampled): counter-based, so a seeded request samples the same tokens whatever its
 batch mates, whether steps overlap, and after a preemption. Unseeded rows draw from the engine's
 generator (seeded by the engine seed).
+
+Speculative decoding gives a request several rows, one per verified position: `offsets` says how
+many of its drafts come before each row, and that row samples as if they had been accepted (its
+penalty history holds them, min_tokens and the seeded number count them).
 """
 
 from __future__ import annotations
@@ -79,14 +83,18 @@ def _flat(rows: list[int], lists: list) -> tuple[np.ndarray, np.ndarray]:
     return np.repeat(np.asarray(rows, dtype=np.int64), lens), vals
 
 
-def apply_penalties(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
+def apply_penalties(logits: torch.Tensor, reqs: list[Request], rows: list[int], offsets: np.ndarray | None = None) -> None:
     """In place, for `rows`: repetition penalty over prompt and output tokens (divide positive
-    logits, multiply negative ones); frequency and presence penalties over output tokens.
+    logits, multiply negative ones); frequency and presence penalties over output tokens (with the
+    first offsets[i] drafts of a speculating row counted as output).
     Needs each request's whole history on the host (the engine drains overlapped steps first)."""
     V = logits.shape[1]
     dev = logits.device
     sub_rows = list(range(len(rows)))
-    o_row, o_tok = _flat(sub_rows, [reqs[i].output_token_ids for i in rows])
+    outputs = [reqs[i].output_token_ids for i in rows]
+    if offsets is not None:
+        outputs = [o + reqs[i].spec_token_ids[: offsets[i]] for o, i in zip(outputs, rows)]
+    o_row, o_tok = _flat(sub_rows, outputs)
     p_row, p_tok = _flat(sub_rows, [reqs[i].prompt_token_ids for i in rows])
     keep_o, keep_p = o_tok < V, p_tok < V  # a padded vocabulary may hold ids the model never makes
     idx = np.concatenate([o_row[keep_o], o_tok[keep_o], p_row[keep_p], p_tok[keep_p], np.asarray(rows)])
@@ -170,7 +178,8 @@ class Sampler:
             rows.append(row)
         return np.fromiter((f for f, _ in rows), dtype=np.int64, count=len(rows)), [v for _, v in rows]
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, reqs: list[Request], offsets: np.ndarray | None = None) -> SamplerOutput:
+        """offsets: per row, the drafts before it (speculative decoding; None = no drafts)."""
         B, V = logits.shape
         dev = logits.device
         flags, param_rows = self._rows(reqs, V)
@@ -183,7 +192,10 @@ class Sampler:
         raw_logprobs = logits.float().log_softmax(dim=-1) if lp_rows else None
 
         bias_rows = rows_with(_BIAS)
-        mask_rows = [i for i in rows_with(_MIN_TOKENS) if num_sampled(reqs[i]) < reqs[i].params.min_tokens]
+        mask_rows = [
+            i for i in rows_with(_MIN_TOKENS)
+            if num_sampled(reqs[i]) + (offsets[i] if offsets is not None else 0) < reqs[i].params.min_tokens
+        ]  # fmt: skip
         pen_rows = rows_with(_PENALTIES)
         if bias_rows or mask_rows or pen_rows:  # edited in place: a float32 copy
             logits = logits.to(torch.float32, copy=True)
@@ -199,14 +211,14 @@ class Sampler:
                 ids_d = to_device(np.stack([rows, ids]), dev)
                 logits[ids_d[0], ids_d[1]] = float("-inf")
         if pen_rows:
-            apply_penalties(logits, reqs, pen_rows)
+            apply_penalties(logits, reqs, pen_rows, offsets)
 
         greedy = (flags & _GREEDY) != 0
         if greedy.all():
             tokens = logits.argmax(dim=-1)
         else:  # the parameter array only here: all-greedy steps (the common case) skip building it
             f = np.concatenate(param_rows).reshape(B, 6)
-            f[:, _U] = self._uniform(reqs, flags)
+            f[:, _U] = self._uniform(reqs, flags, offsets)
             # Uploaded by columns, each padded to a multiple of 4 floats: every column then starts
             # 16-byte aligned whatever B is. (Column views of the row-major array had the kernel's
             # alignment of u change at B = 1, a fresh Triton compile of ~300 ms mid-run.)
@@ -234,7 +246,7 @@ class Sampler:
             out.token_rank = (lp > chosen).sum(dim=-1) + 1
         return out
 
-    def _uniform(self, reqs: list[Request], flags: np.ndarray) -> np.ndarray:
+    def _uniform(self, reqs: list[Request], flags: np.ndarray, offsets: np.ndarray | None = None) -> np.ndarray:
         """One uniform number per row: hashed from (seed, token index) for seeded requests, from
         the engine's generator otherwise; below 1 in float32."""
         u = self.rng.random(len(reqs))
@@ -242,6 +254,8 @@ class Sampler:
         if len(seeded):
             seeds = np.array([reqs[i].seed for i in seeded], dtype=np.int64)
             pos = np.array([num_sampled(reqs[i]) for i in seeded], dtype=np.int64)
+            if offsets is not None:
+                pos += offsets[seeded]
             u[seeded] = seeded_uniform(seeds, pos)
         return np.minimum(u, 1.0 - 2.0**-24)  # float32 rounding must not reach 1
 

@@ -27,12 +27,16 @@ class ScheduledSeq:
     num_new_tokens: int  # tokens computed this step (positions start_pos ...)
     block_table: list[int]
     sample: bool  # the chunk reaches the end of the sequence: sample the next token
+    # Speculative decoding: draft tokens scheduled after the request's last token (they are the
+    # last len(spec_token_ids) of num_new_tokens); every position from the last token on samples.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def new_token_ids(self) -> list[int]:
-        """The new tokens known on the host; with overlapped steps the last one may still be on the
-        device (then this list is one shorter than num_new_tokens)."""
-        return self.request.token_ids[self.start_pos : self.start_pos + self.num_new_tokens]
+        """The new tokens known on the host (drafts included); with overlapped steps the last one
+        may still be on the device (then this list is one shorter than num_new_tokens)."""
+        ids = self.request.token_ids[self.start_pos : self.start_pos + self.num_new_tokens]
+        return ids + self.spec_token_ids if self.spec_token_ids else ids
 
 
 @dataclass
@@ -129,6 +133,12 @@ class Scheduler:
             n = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
+            spec = req.spec_token_ids
+            if spec and (n != 1 or req.num_pending):  # drafts only follow a decode's known last token
+                spec = req.spec_token_ids = []
+            if spec:
+                n = min(1 + len(spec), budget)
+                spec = req.spec_token_ids = spec[: n - 1]
             while not self.kv.allocate(req, n):
                 victim = self.policy.pick_victim(self.running)
                 self._preempt(victim)
@@ -140,7 +150,7 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue
-            scheduled[req.request_id] = self._scheduled(req, n)
+            scheduled[req.request_id] = self._scheduled(req, n, spec)
             budget -= n
 
         # Admit waiting requests, unless this step already had to preempt.
@@ -162,6 +172,7 @@ class Scheduler:
                 req.num_cached_tokens = num_cached
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
+            req.spec_token_ids = []  # drafts proposed before a preemption are stale
             self.running.append(req)
             scheduled[req.request_id] = self._scheduled(req, n)
             budget -= n
@@ -170,13 +181,14 @@ class Scheduler:
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
+    def _scheduled(self, req: Request, n: int, spec: list[int] | None = None) -> ScheduledSeq:
         return ScheduledSeq(
             request=req,
             start_pos=req.num_computed_tokens,
             num_new_tokens=n,
             block_table=self.kv.block_table(req.request_id),
-            sample=req.num_computed_tokens + n == req.num_tokens + req.num_pending,
+            sample=req.num_computed_tokens + n == req.num_tokens + req.num_pending + len(spec or ()),
+            spec_token_ids=spec or [],
         )
 
     def _preempt(self, req: Request) -> None:
@@ -199,11 +211,13 @@ class Scheduler:
             if seq.sample:
                 req.num_pending += 1
 
-    def on_sampled(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def on_sampled(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[Request]:
         """The step's sampled tokens are on the host: append them and apply token-level stops.
-        A token of a request that ended while the step ran (abort, or a stop found one step late)
-        is surplus and dropped. Returns the requests that received a token (finished ones
-        included, already freed)."""
+        A speculating request gets a list, its accepted tokens (speculative.accept): they are
+        appended up to the first stop, and the positions of its rejected drafts stop counting as
+        computed. A token of a request that ended while the step ran (abort, or a stop found one
+        step late) is surplus and dropped. Returns the requests that received tokens (finished
+        ones included, already freed)."""
         got_token = []
         for seq in out.seqs:
             if not seq.sample:
@@ -212,12 +226,21 @@ class Scheduler:
             req.num_pending -= 1
             if req.is_finished:
                 continue
-            token = sampled[req.request_id]
-            req.token_ids.append(token)
+            tokens = sampled[req.request_id]
+            if isinstance(tokens, int):
+                tokens = (tokens,)
+            elif seq.spec_token_ids:  # roll back the rejected drafts' positions
+                req.num_computed_tokens -= len(seq.spec_token_ids) + 1 - len(tokens)
+                req.spec_token_ids = []
+            got_token.append(req)
+            status = None
+            for token in tokens:
+                req.token_ids.append(token)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    break
             if req.status == RequestStatus.RUNNING:  # (not when preempted after this step was launched)
                 self.kv.commit(req)
-            got_token.append(req)
-            status = self._check_stop(req, token)
             if status is not None:
                 self.finish_request(req.request_id, status)
         return got_token

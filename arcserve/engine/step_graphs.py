@@ -6,7 +6,7 @@ Two kinds, both over one set of static input buffers that each replay fills from
 arrays (padding rows store nothing: slot -1; padding attention tiles do nothing: sequence -1):
 - decode graphs for batch sizes 1, 2, 4, 8, 16, 24, ... max_num_seqs (one token per sequence,
   one tile per sequence, KV split across programs for small batches);
-- mixed graphs for token counts 32, 64, ..., 1024, 2048, 3072, ... max_num_batched_tokens (prefill chunks with
+- mixed graphs for token counts 8, 16, ..., 1024, 2048, 3072, ... max_num_batched_tokens (prefill chunks with
   decodes), whose attention grid is the bound on tiles for that many tokens and sequences.
 
 Graphs need attention that plans on the device (the Triton kernels); the torch twins plan on the
@@ -55,11 +55,11 @@ def decode_sizes(max_num_seqs: int) -> list[int]:
 
 
 def mixed_sizes(max_tokens: int) -> list[int]:
-    """Token buckets for mixed steps: powers of two from 32 to 1024, then steps of 1024 up to
+    """Token buckets for mixed steps: powers of two from 8 to 1024, then steps of 1024 up to
     max_num_batched_tokens (a step pads to its bucket: at most 2x below 1024 tokens, at most 1023
     tokens above). The small buckets keep the padding of short steps small (a short prompt over a
-    cached prefix, a few decodes beside a small chunk)."""
-    sizes = [t for t in (32, 64, 128, 256, 512, 1024) if t < max_tokens] + list(range(2048, max_tokens, 1024))
+    cached prefix, a few decodes beside a small chunk, a verification of a few drafts)."""
+    sizes = [t for t in (8, 16, 32, 64, 128, 256, 512, 1024) if t < max_tokens] + list(range(2048, max_tokens, 1024))
     return sizes + [max_tokens]
 
 

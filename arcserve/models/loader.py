@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import zlib
 from types import SimpleNamespace
 
 import torch
@@ -62,12 +63,13 @@ class _Weights:
 
 class _DummyWeights:
     """Random weights of the checkpoint's shapes, from config.json alone (load_format="dummy", as
-    vLLM's): matrices uniform in [-1e-3, 1e-3], norm scales 1. For benchmarks; seeded."""
+    vLLM's): matrices uniform in [-1e-3, 1e-3], norm scales 1. For benchmarks. Each tensor is seeded
+    by (seed, its name), so a config with fewer layers gives exactly the first layers, embeddings and
+    head of a deeper one (a truncated model: the speculative-decoding benchmark's draft)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int) -> None:
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.seed = dtype, device, seed
         self.gen = torch.Generator(device=device)
-        self.gen.manual_seed(seed)
         h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
         self.shapes: dict[str, tuple] = {"embed_tokens.weight": (cfg.vocab_size, h), "norm.weight": (h,)}
@@ -99,6 +101,7 @@ class _DummyWeights:
         shape = self.shapes[name]
         if name.endswith("norm.weight"):
             return torch.ones(shape, dtype=self.dtype, device=self.device)
+        self.gen.manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
         t = torch.empty(shape, dtype=torch.float32, device=self.device).uniform_(-1e-3, 1e-3, generator=self.gen)
         return t.to(self.dtype)
 

@@ -26,8 +26,8 @@ class EagerReplay:
 def test_graph_sizes():
     assert decode_sizes(256)[:6] == [1, 2, 4, 8, 16, 24] and decode_sizes(256)[-1] == 256
     assert decode_sizes(5) == [1, 2, 4, 5]
-    assert mixed_sizes(2048) == [32, 64, 128, 256, 512, 1024, 2048] and mixed_sizes(300) == [32, 64, 128, 256, 300]
-    assert mixed_sizes(4096) == [32, 64, 128, 256, 512, 1024, 2048, 3072, 4096]
+    assert mixed_sizes(2048) == [8, 16, 32, 64, 128, 256, 512, 1024, 2048] and mixed_sizes(300) == [8, 16, 32, 64, 128, 256, 300]
+    assert mixed_sizes(4096) == [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096]
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])

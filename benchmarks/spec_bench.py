@@ -1,0 +1,145 @@
+"""Speculative decoding at batch 1 on the GPU: tokens/s with and without speculation (issue 5).
+
+    PYTHONPATH=. python benchmarks/spec_bench.py ngram --smollm2 DIR    # SmolLM2 folder (real weights)
+    PYTHONPATH=. python benchmarks/spec_bench.py draft --tail-scale 1 8 16
+
+ngram       SmolLM2-135M-Instruct (real weights) on a copy-heavy prompt (a code file, then "a copy of"
+            it), greedy, prompt lookup k=5 (n-grams 2..4).
+ngram-miss  Qwen3-0.6B shape with random weights and an untied LM head (its text follows no lookup);
+            the prompt repeats a few tokens, so lookups find n-grams that the model never continues.
+draft       Qwen3-4B shape target (36 layers, untied LM head), random weights; the draft is the
+            target's first 2 layers (dummy weights are seeded per tensor name, so a 2-layer config of the
+            same shape is exactly the target truncated: ~0.9B parameters with embeddings and head).
+            Random weights barely move the residual stream, so the truncation agrees with the target
+            almost always; the target's layers past the second get their output projections (o_proj,
+            down_proj) multiplied by --tail-scale, which makes them matter and sets how often the draft
+            agrees. The target's speed does not depend on the values of its weights: this measures
+            real-shape costs at the acceptance rates reported.
+draft-miss  the same target with a Qwen3-0.6B-shaped random draft: nothing accepted.
+
+Every row: 256 generated tokens after a warm-up, median of 3 runs, tokens/s = 256 / time (prefill of
+the short prompt included). --profile prints the kernel time table of the speculating SmolLM2 run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from model_shapes import SHAPES, write_tokenizer  # noqa: E402
+
+from arcserve import LLM, SamplingParams  # noqa: E402
+
+N = 256
+QWEN3_4B = dict(SHAPES["qwen3-0.6b"], hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)  # fmt: skip
+UNTIED_06B = dict(SHAPES["qwen3-0.6b"], tie_word_embeddings=False)
+COPY = (
+    "# file: a.py\n"
+    "def merge_sorted(a, b):\n"
+    '    """Merge two sorted lists into one sorted list."""\n'
+    "    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n"
+    "        else:\n            out.append(b[j])\n            j += 1\n"
+    "    out.extend(a[i:])\n    out.extend(b[j:])\n    return out\n\n"
+    "# file: b.py (a copy of a.py)\n"
+)
+
+
+def shape_dir(root: Path, name: str, cfg: dict) -> Path:
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    if not (d / "tokenizer.json").exists():
+        write_tokenizer(d)
+    return d
+
+
+def run(llm: LLM, prompt, label: str, profile: bool = False) -> dict:
+    sp = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+    llm.generate(prompt, sp, use_tqdm=False)  # warm-up (compiles, graph pools)
+    if profile:
+        import torch
+        from torch.profiler import ProfilerActivity
+
+        with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompt, sp, use_tqdm=False)
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18), flush=True)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+    m0 = llm.get_metrics()
+    took = []
+    for _ in range(3):
+        t = time.perf_counter()
+        out = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+        took.append(time.perf_counter() - t)
+        assert len(out.token_ids) == N
+    m1 = llm.get_metrics()
+    drafts = m1["arcserve:spec_decode_num_drafts_total"] - m0["arcserve:spec_decode_num_drafts_total"]
+    acc = m1["arcserve:spec_decode_num_accepted_tokens_total"] - m0["arcserve:spec_decode_num_accepted_tokens_total"]
+    dt = m1["arcserve:spec_decode_num_draft_tokens_total"] - m0["arcserve:spec_decode_num_draft_tokens_total"]
+    row = {"case": label, "tok_per_s": round(N / statistics.median(took), 1),
+           "mean_acceptance_length": round(1 + acc / drafts, 2) if drafts else None,
+           "accepted_of_drafted": f"{acc}/{dt}", "verifications": drafts, "tokens": out.token_ids[:12]}  # fmt: skip
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def scale_tail(llm: LLM, keep: int, s: float) -> None:
+    for lw in llm.llm_engine.model.layers[keep:]:
+        lw.o.mul_(s)
+        lw.down.mul_(s)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("which", choices=["ngram", "draft", "all"])
+    ap.add_argument("--smollm2", help="SmolLM2-135M-Instruct folder (arcserve.models.demo.demo_model_dir())")
+    ap.add_argument("--root", default="/tmp/arcserve-spec")
+    ap.add_argument("--tail-scale", type=float, nargs="+", default=[1.0])
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    root = Path(a.root)
+    kw = dict(max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=2048, num_kv_blocks=1024)
+    ngram = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    if a.which in ("ngram", "all"):
+        if a.smollm2:
+            for spec in (None, ngram):
+                llm = LLM(a.smollm2, dtype="bfloat16", speculative_config=spec, **kw)
+                run(llm, COPY, f"ngram smollm2 {'spec k=5' if spec else 'no spec'}", a.profile and spec is not None)
+                del llm
+        q06 = shape_dir(root, "qwen3-0.6b-untied", UNTIED_06B)
+        prompt = {"prompt_token_ids": list(range(1000, 1016)) * 4}
+        for spec in (None, ngram):
+            llm = LLM(str(q06), load_format="dummy", dtype="bfloat16", speculative_config=spec, **kw)
+            run(llm, prompt, f"ngram-miss qwen3-0.6b {'spec' if spec else 'no spec'}")
+            del llm
+    if a.which in ("draft", "all"):
+        target = shape_dir(root, "qwen3-4b", QWEN3_4B)
+        trunc = shape_dir(root, "qwen3-4b-first2", dict(QWEN3_4B, num_hidden_layers=2))
+        q06 = shape_dir(root, "qwen3-0.6b", SHAPES["qwen3-0.6b"])
+        prompt = {"prompt_token_ids": list(range(1000, 1032))}
+        base = LLM(str(target), load_format="dummy", dtype="bfloat16", **kw)
+        spec = LLM(str(target), load_format="dummy", dtype="bfloat16",
+                   speculative_config={"model": str(trunc), "num_speculative_tokens": 4}, **kw)  # fmt: skip
+        run(base, prompt, "draft-target qwen3-4b no spec")
+        done = 1.0
+        for s in a.tail_scale:
+            scale_tail(base, 2, s / done)
+            scale_tail(spec, 2, s / done)
+            done = s
+            if s != 1.0:
+                run(base, prompt, f"draft-target qwen3-4b no spec, tail scale {s}")
+            run(spec, prompt, f"draft qwen3-4b + first-2-layers draft k=4, tail scale {s}")
+        del spec
+        miss = LLM(str(target), load_format="dummy", dtype="bfloat16",
+                   speculative_config={"model": str(q06), "num_speculative_tokens": 4}, **kw)  # fmt: skip
+        run(miss, prompt, "draft-miss qwen3-4b + qwen3-0.6b random draft k=4")
+
+
+if __name__ == "__main__":
+    main()
