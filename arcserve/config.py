@@ -1,10 +1,66 @@
-"""EngineArgs: every engine knob in one dataclass. CLI flags map to it one to one."""
+"""EngineArgs: every engine knob in one dataclass. CLI flags map to it one to one. SpeculativeConfig:
+the shape of its speculative_config (vLLM's)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
+
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str  # "ngram" (prompt lookup) | "draft_model"
+    num_speculative_tokens: int  # k: the most drafts per request and step
+    prompt_lookup_min: int = 2  # ngram: shortest suffix n-gram to look up
+    prompt_lookup_max: int = 5  # ngram: longest (tried first)
+    model: str | None = None  # draft_model: its Hugging Face folder (same tokenizer as the target)
+
+    @classmethod
+    def parse(cls, spec) -> SpeculativeConfig | None:
+        """From vLLM's dict shape (or its JSON text, as --speculative-config takes it); None for None.
+        The method is "draft_model" when only `model` is given. Raises ValueError naming what is wrong."""
+        if spec is None or isinstance(spec, SpeculativeConfig):
+            return spec
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(spec) - known
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        spec = dict(spec)
+        method = spec.setdefault("method", "draft_model" if spec.get("model") else None)
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {SPEC_METHODS} (or give 'model'), got {method!r}")
+        if "num_speculative_tokens" not in spec:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        if method == "draft_model" and not spec.get("model"):
+            raise ValueError("speculative_config: method 'draft_model' needs 'model', the draft model's folder")
+        if method == "ngram" and spec.get("model"):
+            raise ValueError("speculative_config: method 'ngram' takes no 'model'")
+        if method == "ngram" and "prompt_lookup_min" not in spec and "prompt_lookup_max" in spec:
+            spec["prompt_lookup_min"] = min(cls.prompt_lookup_min, spec["prompt_lookup_max"])
+        cfg = cls(**spec)
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            v = getattr(cfg, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"speculative_config: {name} must be a positive integer, got {v!r}")
+        if cfg.num_speculative_tokens > 16:
+            raise ValueError(f"speculative_config: num_speculative_tokens is at most 16, got {cfg.num_speculative_tokens}")
+        if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({cfg.prompt_lookup_min}) exceeds prompt_lookup_max "
+                f"({cfg.prompt_lookup_max})"
+            )
+        return cfg
 
 
 @dataclass
@@ -47,8 +103,6 @@ class EngineArgs:
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two from 1 to 128, got {self.block_size}")
-        from arcserve.engine.speculative import SpeculativeConfig
-
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
     @classmethod

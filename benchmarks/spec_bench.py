@@ -31,7 +31,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "engine"))
 from model_shapes import SHAPES, write_tokenizer  # noqa: E402
+from test_speculative import COPY_PROMPT as COPY  # noqa: E402  (the copy-heavy prompt the CPU test uses)
 
 from arcserve import LLM, SamplingParams  # noqa: E402
 
@@ -39,16 +41,7 @@ N = 256
 QWEN3_4B = dict(SHAPES["qwen3-0.6b"], hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)  # fmt: skip
 UNTIED_06B = dict(SHAPES["qwen3-0.6b"], tie_word_embeddings=False)
-COPY = (
-    "# file: a.py\n"
-    "def merge_sorted(a, b):\n"
-    '    """Merge two sorted lists into one sorted list."""\n'
-    "    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
-    "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n"
-    "        else:\n            out.append(b[j])\n            j += 1\n"
-    "    out.extend(a[i:])\n    out.extend(b[j:])\n    return out\n\n"
-    "# file: b.py (a copy of a.py)\n"
-)
+
 
 
 def shape_dir(root: Path, name: str, cfg: dict) -> Path:

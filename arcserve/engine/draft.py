@@ -24,7 +24,6 @@ from arcserve.models.config import ModelConfig
 from arcserve.models.decoder import DecoderModel
 from arcserve.models.hf_files import load_tokenizer
 from arcserve.models.loader import load_model
-from arcserve.platform import graphs_supported
 from arcserve.sampling_params import SamplingParams
 
 _ARGMAX = SamplingParams(temperature=0.0)
@@ -74,11 +73,10 @@ class DraftProposer:
     empty_is_miss = False  # no drafts only while catching up or when the cache is full
 
     def __init__(self, model: DecoderModel, num_blocks: int, args: EngineArgs, max_model_len: int,
-                 max_num_batched_tokens: int, ops) -> None:  # fmt: skip
+                 max_num_batched_tokens: int) -> None:  # fmt: skip
         self.kv = KVCacheManager(num_blocks, args.block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(model, num_blocks, args.block_size, args.seed, max_model_len, args.max_num_seqs)
-        dev = model.device
-        if dev.type != "cpu" and not args.enforce_eager and graphs_supported(dev) and ops.name == "triton":
+        if self.runner.graphs_possible(args.enforce_eager):
             self.runner.capture_graphs(max_num_batched_tokens)
         self.budget = max_num_batched_tokens  # catch-up tokens per step
         self.seqs: dict[int, _DraftSeq] = {}  # by request seq_no

@@ -23,7 +23,7 @@ from arcserve.engine.speculative import DraftLength, accept
 from arcserve.kernels import get_ops
 from arcserve.models.loader import load_model
 from arcserve.outputs import RequestOutput
-from arcserve.platform import graphs_supported, memory_info, resolve_device
+from arcserve.platform import memory_info, resolve_device
 from arcserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("arcserve")
@@ -65,9 +65,7 @@ class LLMEngine(InputProcessor):
         num_blocks = self._num_kv_blocks()
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, args.seed, self.max_model_len,
                                   args.max_num_seqs)  # fmt: skip
-        self.runner.speculative = spec is not None
-        # Graphs need attention that plans on the device (the Triton kernels), not the torch twin's host plan.
-        if self.device.type != "cpu" and not args.enforce_eager and graphs_supported(self.device) and ops.name == "triton":
+        if self.runner.graphs_possible(args.enforce_eager):
             t0 = time.time()
             n = self.runner.capture_graphs(self.max_num_batched_tokens)
             logger.info("Captured %d step graphs (decode batches up to %d, mixed steps up to %d tokens) in %.1f s",
@@ -94,7 +92,7 @@ class LLMEngine(InputProcessor):
                 from arcserve.engine.draft import DraftProposer
 
                 self.proposer = DraftProposer(self.draft_model, num_blocks, args, self.max_model_len,
-                                              self.max_num_batched_tokens, ops)  # fmt: skip
+                                              self.max_num_batched_tokens)  # fmt: skip
             logger.info("Speculative decoding: %s, up to %d draft tokens per step",
                         spec.method if spec.method == "ngram" else f"draft model {spec.model}",
                         spec.num_speculative_tokens)  # fmt: skip
@@ -228,14 +226,14 @@ class LLMEngine(InputProcessor):
     def _spec_due(self) -> list[Request]:
         """The running requests that decode next and speculate in this step (not paused)."""
         tick = self.draft_length.tick
-        return [r for r in self.scheduler.running if r.num_tokens + r.num_pending - r.num_computed_tokens == 1 and tick(r)]
+        return [r for r in self.scheduler.running if r.num_uncomputed == 1 and tick(r)]
 
     def _propose(self, due: list[Request]) -> None:
         """Drafts for the due requests (speculative.py), with every token on the host."""
         wanted = []
         limit = self.max_model_len
         for req in due:
-            if req.status != RequestStatus.RUNNING or req.num_pending or req.num_tokens - req.num_computed_tokens != 1:
+            if req.status != RequestStatus.RUNNING or req.num_pending or req.num_uncomputed != 1:
                 continue  # finished or preempted by the step read just now
             # a step yields up to k + 1 tokens: stay within max_tokens and max_model_len
             room = min(req.max_tokens - req.num_output_tokens, limit - req.num_tokens) - 1
@@ -248,13 +246,15 @@ class LLMEngine(InputProcessor):
                 if not req.spec_token_ids:
                     self.draft_length.update(req, 0, 0)
 
-    def _verify(self, handle: StepHandle, tokens: dict) -> None:
-        """Replace each speculating request's row tokens by its accepted tokens; count them."""
-        counts = []
+    def _verify(self, handle: StepHandle, tokens: dict) -> dict[str, int]:
+        """Replace each speculating request's row tokens by its accepted tokens; count them.
+        Returns each speculating request's token count before this step's tokens."""
+        counts, before = [], {}
         for seq in handle.sched.seqs:
             drafts = seq.spec_token_ids
             if drafts:
                 rid = seq.request.request_id
+                before[rid] = seq.request.num_tokens
                 tokens[rid] = got = accept(drafts, tokens[rid])
                 self.draft_length.update(seq.request, len(drafts), len(got) - 1)
                 counts.append((len(drafts), len(got) - 1))
@@ -269,6 +269,7 @@ class LLMEngine(InputProcessor):
                     "accepted per position %s", s.mean_acceptance_length, s.num_accepted_tokens,
                     s.num_draft_tokens, 100.0 * s.num_accepted_tokens / s.num_draft_tokens, s.accepted_per_pos,
                 )  # fmt: skip
+        return before
 
     def _finish(self, handle: StepHandle) -> list[RequestOutput]:
         """Read a launched step's tokens (waiting for the device) and turn them into outputs."""
@@ -277,10 +278,7 @@ class LLMEngine(InputProcessor):
             req = self.scheduler.requests.get(rid)
             if req is not None:
                 self.outputs.on_prompt_logprobs(req, entries)
-        before = None  # speculating requests: their token count before this step's tokens
-        if handle.row_counts is not None:
-            self._verify(handle, result.tokens)
-            before = {s.request.request_id: s.request.num_tokens for s in handle.sched.seqs if s.spec_token_ids}
+        before = self._verify(handle, result.tokens) if handle.row_counts is not None else None
         got = self.scheduler.on_sampled(handle.sched, result.tokens)
         now = time.time()
         touched: dict[str, RequestGroup] = {}

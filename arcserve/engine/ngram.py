@@ -2,8 +2,9 @@
 
 The suffix of the context (its last n tokens, n from prompt_lookup_max down to prompt_lookup_min) is
 looked up among the earlier tokens (prompt and generated); at the most recent earlier occurrence that
-k tokens follow (else the earliest one), the tokens that followed it are the drafts. Text that repeats or edits its prompt (code, documents,
-quotes) gets long runs of accepted drafts; other text finds no match and costs nothing.
+k tokens follow (else the earliest one), the tokens that followed it are the drafts. Text that
+repeats or edits its prompt (code, documents, quotes) gets long runs of accepted drafts; other text
+finds no match, and its requests soon pause their lookups (speculative.DraftLength).
 
 Each request's tokens are kept in a numpy array that grows with the request (no per-step copy of the
 context); the lookup compares the suffix's first token against the whole context in one vectorised

@@ -67,6 +67,11 @@ class Request:
         return len(self.token_ids)
 
     @property
+    def num_uncomputed(self) -> int:
+        """Tokens not yet in the KV cache, those still on the device included (1 while decoding)."""
+        return len(self.token_ids) + self.num_pending - self.num_computed_tokens
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 

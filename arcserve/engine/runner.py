@@ -26,6 +26,7 @@ from arcserve.models.decoder import DecoderModel
 from arcserve.outputs import Logprob
 from arcserve.platform import (
     empty_cache,
+    graphs_supported,
     memory_allocated,
     memory_info,
     new_event,
@@ -153,7 +154,6 @@ class ModelRunner:
         self.max_model_len = max_model_len or model.cos_sin.shape[0]
         self.max_num_seqs = max_num_seqs
         self.graphs: StepGraphs | None = None
-        self.speculative = False  # steps may carry drafts (ScheduledSeq.spec_token_ids)
         cfg = model.cfg
         self.kv = torch.zeros(
             cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
@@ -231,6 +231,12 @@ class ModelRunner:
         return ids, to_device(h["positions"], dev), meta
 
     # ---- graphs ---------------------------------------------------------------------------
+    def graphs_possible(self, enforce_eager: bool) -> bool:
+        """Graphs need a GPU that has them and attention that plans on the device (the Triton
+        kernels), not the torch twin's host plan."""
+        dev = self.device
+        return dev.type != "cpu" and not enforce_eager and graphs_supported(dev) and self.model.ops.name == "triton"
+
     def capture_graphs(self, max_num_batched_tokens: int) -> int:
         """Capture decode and mixed-step graphs (step_graphs.py); returns how many."""
         self.graphs = StepGraphs(self.model, self.kv_caches, self.block_size, self.max_model_len,
@@ -260,14 +266,13 @@ class ModelRunner:
             logits = self.model.logits(hidden)
         else:
             last = h["qsl"][1:][sampling] - 1
-            if self.speculative:  # a speculating request samples at its last token and every draft
+            if out.num_spec_tokens:  # a speculating request samples at its last token and every draft
                 nspec = np.fromiter((len(out.seqs[i].spec_token_ids) for i in sampling), np.int64, len(sampling))
-                if nspec.any():
-                    counts = nspec + 1
-                    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-                    last = np.repeat(last - nspec, counts) + offsets
-                    reqs = [r for r, c in zip(reqs, counts.tolist()) for _ in range(c)]
-                    handle.row_counts = counts.tolist()
+                counts = nspec + 1
+                offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+                last = np.repeat(last - nspec, counts) + offsets
+                reqs = [r for r, c in zip(reqs, counts.tolist()) for _ in range(c)]
+                handle.row_counts = counts.tolist()
             logits = self.model.logits(hidden[to_device(last, self.device)])
         so = self.sampler(logits, reqs, offsets)
         self._last_tokens = so.tokens

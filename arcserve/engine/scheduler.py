@@ -44,6 +44,7 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted: list[str] = field(default_factory=list)
+    num_spec_tokens: int = 0  # drafts scheduled in all (speculative decoding)
 
     @property
     def is_empty(self) -> bool:
@@ -122,7 +123,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[str, ScheduledSeq] = {}
         # Decoding requests first, then those in the middle of a prefill; each group in admission order.
-        order = sorted(self.running, key=lambda r: r.num_tokens + r.num_pending - r.num_computed_tokens > 1)
+        order = sorted(self.running, key=lambda r: r.num_uncomputed > 1)
         for req in order:
             if budget == 0:
                 break
@@ -130,7 +131,7 @@ class Scheduler:
                 continue
             if req.num_pending and self._at_length_limit(req, req.num_pending):
                 continue  # its last token is being sampled now: it finishes when the host reads it
-            n = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
+            n = min(req.num_uncomputed, budget)
             if n <= 0:
                 continue
             spec = req.spec_token_ids
@@ -151,6 +152,7 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue
             scheduled[req.request_id] = self._scheduled(req, n, spec)
+            out.num_spec_tokens += len(spec)
             budget -= n
 
         # Admit waiting requests, unless this step already had to preempt.

@@ -1,6 +1,6 @@
 """Speculative decoding: its configuration, the acceptance rule, the per-request draft length, figures.
 
-One step, for a decoding request that speculates (steps run synchronously while speculation is on):
+One step, for a decoding request that speculates (the configuration is config.SpeculativeConfig):
 1. before scheduling, a proposer (ngram.py: prompt lookup; draft.py: a draft model) puts up to k draft
    tokens in `req.spec_token_ids`;
 2. the scheduler schedules the request's last token plus its drafts (fewer drafts when the step's
@@ -12,11 +12,14 @@ One step, for a decoding request that speculates (steps run synchronously while 
    that differs, or the bonus token after k accepted drafts, ends the list. For a proposal of one token
    (prompt lookup, or a draft model's argmax) this is exactly Leviathan et al.'s rejection sampling:
    a draft d is accepted with probability p(d) = min(1, p(d) / 1), and on rejection the token comes from
-   p without d, renormalised (the residual of a one-hot draft distribution). A draft model that
-   samples from its own distribution q goes through rejection.py first, whose tokens follow the same
-   rule. Greedy requests accept while the draft equals the argmax. So the output has the distribution
+   p without d, renormalised (the residual of a one-hot draft distribution); the draft model
+   proposes its argmax, so both methods are one-token proposals. Greedy requests accept while the
+   draft equals the argmax. So the output has the distribution
    of decoding without speculation, and a seeded request decoding by prompt lookup or by an argmax
    draft gets exactly the tokens it gets without speculation;
+   Steps stay overlapped (async_scheduling) except around verifications: the engine reads the
+   previous step before proposing (drafts start from the tokens on the host) and after a step that
+   verified drafts (the acceptance decides the next positions);
 5. the scheduler appends the accepted tokens (stopping at a stop token or max_tokens) and takes back
    the computed-token count of the rejected positions; their KV entries are overwritten later, and
    prefix-cache hashes only ever cover tokens on the host, never drafts.
@@ -27,64 +30,9 @@ The draft length rule (DraftLength) keeps speculation cheap where it does not pa
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 
 from arcserve.engine.request import Request
-
-METHODS = ("ngram", "draft_model")
-
-
-@dataclass
-class SpeculativeConfig:
-    method: str  # "ngram" (prompt lookup) | "draft_model"
-    num_speculative_tokens: int  # k: the most drafts per request and step
-    prompt_lookup_min: int = 2  # ngram: shortest suffix n-gram to look up
-    prompt_lookup_max: int = 5  # ngram: longest (tried first)
-    model: str | None = None  # draft_model: its Hugging Face folder (same tokenizer as the target)
-
-    @classmethod
-    def parse(cls, spec) -> SpeculativeConfig | None:
-        """From vLLM's dict shape (or its JSON text, as --speculative-config takes it); None for None.
-        The method is "draft_model" when only `model` is given. Raises ValueError naming what is wrong."""
-        if spec is None or isinstance(spec, SpeculativeConfig):
-            return spec
-        if isinstance(spec, str):
-            try:
-                spec = json.loads(spec)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(spec, dict):
-            raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(spec) - known
-        if unknown:
-            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        spec = dict(spec)
-        method = spec.setdefault("method", "draft_model" if spec.get("model") else None)
-        if method not in METHODS:
-            raise ValueError(f"speculative_config: method must be one of {METHODS} (or give 'model'), got {method!r}")
-        if "num_speculative_tokens" not in spec:
-            raise ValueError("speculative_config needs num_speculative_tokens")
-        if method == "draft_model" and not spec.get("model"):
-            raise ValueError("speculative_config: method 'draft_model' needs 'model', the draft model's folder")
-        if method == "ngram" and spec.get("model"):
-            raise ValueError("speculative_config: method 'ngram' takes no 'model'")
-        if method == "ngram" and "prompt_lookup_min" not in spec and "prompt_lookup_max" in spec:
-            spec["prompt_lookup_min"] = min(cls.prompt_lookup_min, spec["prompt_lookup_max"])
-        cfg = cls(**spec)
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
-            v = getattr(cfg, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"speculative_config: {name} must be a positive integer, got {v!r}")
-        if cfg.num_speculative_tokens > 16:
-            raise ValueError(f"speculative_config: num_speculative_tokens is at most 16, got {cfg.num_speculative_tokens}")
-        if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
-            raise ValueError(
-                f"speculative_config: prompt_lookup_min ({cfg.prompt_lookup_min}) exceeds prompt_lookup_max "
-                f"({cfg.prompt_lookup_max})"
-            )
-        return cfg
 
 
 def accept(drafts: list[int], sampled: list[int]) -> list[int]:

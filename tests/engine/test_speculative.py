@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from arcserve import LLM, SamplingParams
-from arcserve.config import EngineArgs
+from arcserve.config import EngineArgs, SpeculativeConfig
 from arcserve.engine.ngram import NgramProposer, find_drafts
 from arcserve.engine.request import Request
 from arcserve.engine.sampler import Sampler
-from arcserve.engine.speculative import DraftLength, SpeculativeConfig, accept
+from arcserve.engine.speculative import DraftLength, accept
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
