@@ -1,10 +1,12 @@
 """Speculative decoding at batch 1 on the GPU: tokens/s with and without speculation (issue 5).
 
     PYTHONPATH=. python benchmarks/spec_bench.py ngram --smollm2 DIR    # SmolLM2 folder (real weights)
+    PYTHONPATH=. python benchmarks/spec_bench.py ngram --smollm2 DIR --no-miss --k 5 8 10 16
+    PYTHONPATH=. python benchmarks/spec_bench.py ngram --smollm2 DIR --load-format dummy --k 10 --phases --graphs
     PYTHONPATH=. python benchmarks/spec_bench.py draft --tail-scale 1 8 16
 
 ngram       SmolLM2-135M-Instruct (real weights) on a copy-heavy prompt (a code file, then "a copy of"
-            it), greedy, prompt lookup k=5 (n-grams 2..4).
+            it), greedy, prompt lookup k=5 (n-grams 2..4; --k: other draft lengths).
 ngram-miss  Qwen3-0.6B shape with random weights and an untied LM head (its text follows no lookup);
             the prompt repeats a few tokens, so lookups find n-grams that the model never continues.
 draft       Qwen3-4B shape target (36 layers, untied LM head), random weights; the draft is the
@@ -18,7 +20,9 @@ draft       Qwen3-4B shape target (36 layers, untied LM head), random weights; t
 draft-miss  the same target with a Qwen3-0.6B-shaped random draft: nothing accepted.
 
 Every row: 256 generated tokens after a warm-up, median of 3 runs, tokens/s = 256 / time (prefill of
-the short prompt included). --profile prints the kernel time table of the speculating SmolLM2 run.
+the short prompt included). --profile prints the kernel time table of the speculating SmolLM2 run;
+--phases the host time per step phase and the device time per step kind (no profiler); --graphs the
+back-to-back replay time and kernels of the decode-1, mixed-8 and mixed-16 graphs.
 """
 
 from __future__ import annotations
@@ -82,6 +86,103 @@ def run(llm: LLM, prompt, label: str, profile: bool = False) -> dict:
     return row
 
 
+def phases(llm: LLM, prompt, label: str) -> None:
+    """Host time per phase of a step (wall clock, summed over one 256-token run) and device time
+    per step kind (events around the forward and around logits + sampling), without a profiler
+    (whose tracing slows graph launches)."""
+    import collections
+
+    import torch
+
+    from arcserve.engine import runner as runner_mod
+
+    eng = llm.llm_engine
+    host = collections.Counter()
+    calls = collections.Counter()
+    pairs = []
+
+    def timed(obj, name, key):
+        f = getattr(obj, name)
+
+        def w(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                host[key] += time.perf_counter() - t
+                calls[key] += 1
+
+        setattr(obj, name, w)
+        return f
+
+    originals = [(eng, "_finish", timed(eng, "_finish", "finish (read + outputs)")),
+                 (eng, "_propose", timed(eng, "_propose", "propose")),
+                 (eng.scheduler, "schedule", timed(eng.scheduler, "schedule", "schedule")),
+                 (eng.runner, "launch", timed(eng.runner, "launch", "launch (all)")),
+                 (eng.runner, "_host_inputs", timed(eng.runner, "_host_inputs", "launch: host inputs")),
+                 (eng.runner, "sampler", timed(eng.runner, "sampler", "launch: sampler (host)")),
+                 (runner_mod, "wait_event", timed(runner_mod, "wait_event", "finish: wait for device"))]
+    g = eng.runner.graphs
+    run0 = g.run
+
+    def run(key, h, last):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        t = time.perf_counter()
+        out = run0(key, h, last)
+        host["launch: graph fill + replay"] += time.perf_counter() - t
+        calls["launch: graph fill + replay"] += 1
+        b.record()
+        pairs.append((f"{key[0]}-{key[1]}", a, b))
+        return out
+
+    g.run = run
+    sp = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+    t = time.perf_counter()
+    llm.generate(prompt, sp, use_tqdm=False)
+    wall = time.perf_counter() - t
+    torch.cuda.synchronize()
+    g.run = run0
+    for obj, name, f in originals:
+        setattr(obj, name, f)
+    dev = collections.defaultdict(list)
+    for k, a, b in pairs:
+        dev[k].append(a.elapsed_time(b) * 1000)
+    print(f"== phases: {label}: {wall * 1e3:.1f} ms for {N} tokens, {calls['launch (all)']} steps", flush=True)
+    for k in sorted(host, key=lambda k: -host[k]):
+        print(f"  host {k:34s} {host[k] * 1e3:8.2f} ms  {calls[k]:4d} calls  {host[k] / calls[k] * 1e6:7.1f} us/call")
+    for k, v in sorted(dev.items()):
+        print(f"  device forward {k:12s} {len(v):4d} steps  median {statistics.median(v):7.1f} us")
+
+
+def graph_kernels(llm: LLM, keys) -> None:
+    """Device time of each captured graph replayed back to back (its inputs as the last step left
+    them), and its kernels by device time."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    g = llm.llm_engine.runner.graphs
+    for key in keys:
+        if key not in g.graphs:
+            continue
+        graph = g.graphs[key][0]
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(50):
+            graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        print(f"== graph {key}: {a.elapsed_time(b) / 50 * 1000:.1f} us per replay (50 back to back)", flush=True)
+        with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                graph.replay()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14), flush=True)
+
+
 def scale_tail(llm: LLM, keep: int, s: float) -> None:
     for lw in llm.llm_engine.model.layers[keep:]:
         lw.o.mul_(s)
@@ -95,19 +196,35 @@ def main() -> None:
     ap.add_argument("--root", default="/tmp/arcserve-spec")
     ap.add_argument("--tail-scale", type=float, nargs="+", default=[1.0])
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--phases", action="store_true", help="host time per step phase, device time per step kind")
+    ap.add_argument("--load-format", default="auto", help="dummy: random weights in the --smollm2 folder's shape")
+    ap.add_argument("--no-miss", action="store_true", help="ngram: skip the random-weight ngram-miss rows")
+    ap.add_argument("--graphs", action="store_true", help="device time and kernels of the captured graphs used")
+    ap.add_argument("--gemv-rows", type=int, help="experiment: rows up to which linear() takes the gemv kernel")
+    ap.add_argument("--k", type=int, nargs="+", default=[5], help="n-gram draft lengths to run")
     a = ap.parse_args()
     root = Path(a.root)
+    if a.gemv_rows:
+        from arcserve.kernels import triton_linear
+
+        triton_linear.MAX_ROWS = a.gemv_rows
     kw = dict(max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=2048, num_kv_blocks=1024)
     ngram = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     if a.which in ("ngram", "all"):
         if a.smollm2:
-            for spec in (None, ngram):
-                llm = LLM(a.smollm2, dtype="bfloat16", speculative_config=spec, **kw)
-                run(llm, COPY, f"ngram smollm2 {'spec k=5' if spec else 'no spec'}", a.profile and spec is not None)
+            for spec in [None] + [dict(ngram, num_speculative_tokens=k) for k in a.k]:
+                llm = LLM(a.smollm2, dtype="bfloat16", speculative_config=spec, load_format=a.load_format, **kw)
+                k = spec["num_speculative_tokens"] if spec else 0
+                label = f"ngram smollm2 spec k={k}" if spec else "ngram smollm2 no spec"
+                run(llm, COPY, label, a.profile and spec is not None)
+                if a.phases:
+                    phases(llm, COPY, label)
+                if a.graphs:
+                    graph_kernels(llm, [("decode", 1), ("mixed", 8), ("mixed", 16)] if k == a.k[-1] else [])
                 del llm
         q06 = shape_dir(root, "qwen3-0.6b-untied", UNTIED_06B)
         prompt = {"prompt_token_ids": list(range(1000, 1016)) * 4}
-        for spec in (None, ngram):
+        for spec in (None, ngram) if not a.no_miss else ():
             llm = LLM(str(q06), load_format="dummy", dtype="bfloat16", speculative_config=spec, **kw)
             run(llm, prompt, f"ngram-miss qwen3-0.6b {'spec' if spec else 'no spec'}")
             del llm

@@ -60,8 +60,9 @@ class SpecState:
 class DraftLength:
     """How many drafts a request proposes, per request, from its own acceptance:
 
-    - it starts at k; after a verification that accepted every draft it grows by one (up to k);
-      after one that accepted a drafts of more, it becomes a + 1;
+    - it starts at k; after a verification that accepted every draft it doubles (up to k: a probe
+      of one draft after a pause is back at k = 8 after three full acceptances); after one that
+      accepted a drafts of more, it becomes a + 1;
     - after MISSES misses in a row (verifications that accepted nothing, or prompt lookups that
       found nothing), the request stops speculating for a pause of FIRST_PAUSE steps, doubling after
       each further miss up to MAX_PAUSE, then tries again with one draft; an accepted draft ends the
@@ -96,7 +97,7 @@ class DraftLength:
         """After a verification of `proposed` drafts (0: a lookup that found none)."""
         st = self.state(req)
         if proposed and accepted == proposed:
-            st.k = min(self.max_k, st.k + 1)
+            st.k = min(self.max_k, 2 * st.k)
         elif proposed:
             st.k = max(1, accepted + 1)
         if accepted:

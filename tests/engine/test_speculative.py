@@ -184,17 +184,19 @@ def test_rejection_sampling_all_rejected_and_all_accepted():
 
 
 def test_draft_length_rule_pauses_and_recovers():
-    rule = DraftLength(4)
+    rule = DraftLength(5)
     r = Request("a", [1], SamplingParams(), 1000)
 
     def k():
         return rule.state(r).k if rule.tick(r) else 0
 
-    assert k() == 4
-    rule.update(r, 4, 1)
+    assert k() == 5
+    rule.update(r, 5, 1)
     assert k() == 2  # accepted + 1
     rule.update(r, 2, 2)
-    assert k() == 3  # all accepted: one more
+    assert k() == 4  # all accepted: doubled
+    rule.update(r, 4, 4)
+    assert k() == 5  # up to num_speculative_tokens
     # two misses in a row (a rejected proposal, a lookup that found nothing): a pause of 8 steps,
     # then one draft
     rule.update(r, 3, 0)
@@ -204,6 +206,9 @@ def test_draft_length_rule_pauses_and_recovers():
     assert [k() for _ in range(17)] == [0] * 16 + [1]
     rule.update(r, 1, 1)  # accepted: speculation is back, pauses reset
     assert k() == 2
+    rule.update(r, 2, 0)
+    rule.update(r, 1, 0)
+    assert [k() for _ in range(9)] == [0] * 8 + [1]  # a pause of 8 again
     # with nothing ever accepted, few steps carry drafts
     r2 = Request("b", [1], SamplingParams(), 1000)
     spec_steps = 0
