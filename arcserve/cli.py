@@ -95,6 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat-template", default=None, help="a Jinja chat template file to use")
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="answer 503 while this many requests are waiting")  # fmt: skip
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds the requests in flight get to finish before they are stopped")  # fmt: skip
+    s.add_argument("--metrics-require-key", action="store_true", help="with --api-key, /metrics needs the key too")
+    s.add_argument("--max-request-body-bytes", type=int, default=16 << 20,
+                   help="larger request bodies get 413")  # fmt: skip
+    s.add_argument("--allowed-origins", default=None,
+                   help='CORS: origins allowed to call the API from a browser, as JSON \'["https://a.example"]\' '
+                        "or comma-separated (default: CORS off)")  # fmt: skip
+    s.add_argument("--allowed-methods", default=None, help="CORS: allowed methods (default GET, POST)")
+    s.add_argument("--allowed-headers", default=None, help="CORS: allowed headers (default Authorization, Content-Type)")
+    s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     s.set_defaults(func=_serve)
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     bs = b.add_parser("serve", help="load an OpenAI-compatible server and report TTFT/TPOT/ITL")

@@ -88,8 +88,9 @@ class SamplingParams:
             raise bad("logprobs", f"in [0, {MAX_LOGPROBS}]")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise bad("prompt_logprobs", f"in [0, {MAX_LOGPROBS}]")
-        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
-            raise bad("seed", "an integer in [-2**63, 2**63)")
+        # Sequence i of the request samples with seed + i, which must stay a 64-bit integer.
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed <= 2**63 - self.n):
+            raise bad("seed", f"an integer in [-2**63, 2**63 - n] (n = {self.n})")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
         if any(t < 0 for t in self.stop_token_ids):

@@ -143,6 +143,8 @@ BAD = [
     (dict(logprobs=50), "logprobs"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens"),
     (dict(stop=[""]), "stop"),
+    (dict(seed=2**63), "seed"),
+    (dict(seed=2**63 - 2, n=3), "seed"),  # sequence 2 would sample with seed 2**63: past int64
 ]
 
 

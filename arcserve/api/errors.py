@@ -6,6 +6,8 @@ import re
 
 from fastapi.responses import JSONResponse
 
+from arcserve.engine.async_engine import ServerShuttingDown
+
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable",
           500: "internal_error"}  # fmt: skip
@@ -17,6 +19,10 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+class ClientDisconnected(Exception):
+    """The client went away before its non-streamed answer was ready (its requests are aborted)."""
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code}}  # fmt: skip
@@ -25,6 +31,17 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict | None = None) -> JSONResponse:  # fmt: skip
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def stream_error(e: Exception) -> dict:
+    """The error event of a stream whose headers went out already: 503 when the server shut down
+    before the request finished, 400 for a refused request, 500 for a failure while generating."""
+    if isinstance(e, ServerShuttingDown):
+        return error_body(503, str(e), code="server_shutting_down")
+    if isinstance(e, ValueError):
+        err = bad_request(e)
+        return error_body(400, err.message, err.param, err.code)
+    return error_body(500, f"generation failed: {e}", code="internal_error")
 
 
 def bad_request(e: Exception) -> APIError:

@@ -31,6 +31,7 @@ _HISTOGRAMS = {
     "arcserve:request_queue_time_seconds": "Time from arrival to first scheduling.",
     "arcserve:request_prompt_tokens": "Prompt length of finished sequences.",
     "arcserve:request_generation_tokens": "Generated length of finished sequences.",
+    "arcserve:step_generated_tokens": "Tokens generated per engine step that generated any (batch width).",
 }
 FINISH_REASONS = ("stop", "length", "abort")
 

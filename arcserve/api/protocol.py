@@ -2,13 +2,17 @@
 
 Unknown fields are accepted and ignored (clients send vendor extras); wrong types and out-of-range
 values are 400s. to_sampling_params() fills unset fields from the model's generation_config defaults.
+Limits: n <= MAX_N; at most MAX_STOP stop strings of at most MAX_STOP_LEN characters; at most
+MAX_PROMPTS prompts and MAX_CHOICES choices (prompts x n) per request; seed + n - 1 fits in int64;
+prompts, messages and stop strings must be valid Unicode (JSON can carry lone surrogates such as
+"\\ud800", which tokenizers and UTF-8 refuse).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
 from arcserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -16,6 +20,25 @@ MAX_N = 128
 MAX_STOP = 16
 MAX_STOP_LEN = 256
 MAX_PROMPTS = 1024
+MAX_CHOICES = 1024  # prompts x n: each choice is a sequence in the engine
+MAX_SEED = 2**63 - 1  # the engine samples choice i with seed + i, a signed 64-bit integer
+
+
+def _valid_unicode(value, name: str):
+    """value (a str, or a list of str, text parts and other items) unchanged, or ValueError naming `name`
+    when a string holds a lone surrogate (valid JSON, not valid Unicode: tokenizers and UTF-8 refuse it)."""
+    if isinstance(value, list) and value and not isinstance(value[0], (str, ContentPart)):
+        return value  # token ids (the lists are of one kind)
+    for s in [value] if isinstance(value, str) else value if isinstance(value, list) else ():
+        s = s.text if isinstance(s, ContentPart) else s
+        if isinstance(s, str) and not s.isascii():
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(
+                    f"{name} must be valid Unicode text; got a lone surrogate {s[e.start]!r} at character {e.start}"
+                ) from None
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -43,16 +66,41 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0, le=2)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
 
+    # Wrong types get one clear message each (pydantic's names a member of the union: "stop.str").
+    @field_validator("stop", mode="wrap")
+    @classmethod
+    def _stop_shape(cls, v, handler):
+        try:
+            return handler(v)
+        except ValidationError:
+            raise ValueError("stop must be a string or a list of strings") from None
+
+    @field_validator("stop")
+    @classmethod
+    def _unicode_stop(cls, v):
+        return _valid_unicode(v, "stop")
+
     def _stop_list(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stop) > MAX_STOP or any(len(s) > MAX_STOP_LEN for s in stop):
-            raise ValueError(f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_LEN} characters")
+        longest = max(map(len, stop), default=0)
+        if len(stop) > MAX_STOP or longest > MAX_STOP_LEN:
+            raise ValueError(
+                f"stop must hold at most {MAX_STOP} strings of at most {MAX_STOP_LEN} characters each; got "
+                f"{len(stop)} string(s), the longest of {longest} characters"
+            )
         return stop
+
+    def _check_seed(self) -> None:
+        if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
+            raise ValueError(
+                f"seed must be at most 2**63 - n = {MAX_SEED + 1 - self.n} with n={self.n} (choice i samples with "
+                f"seed + i, a signed 64-bit integer); got {self.seed}"
+            )
 
     def to_sampling_params(self, defaults: dict, max_tokens: int | None, logprobs: int | None,
                            prompt_logprobs: int | None = None) -> SamplingParams:  # fmt: skip
@@ -67,6 +115,7 @@ class _Sampling(BaseModel):
             except ValueError as e:
                 raise ValueError("logit_bias keys must be token ids (integers as strings)") from e
         top_k = pick("top_k", -1)
+        self._check_seed()
         return SamplingParams(
             n=self.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
             top_k=-1 if top_k == 0 else top_k, min_p=pick("min_p", 0.0),
@@ -80,12 +129,27 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # strict: true/false are no token ids
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_shape(cls, v, handler):  # one clear message, as for stop
+        try:
+            return handler(v)
+        except ValidationError:
+            raise ValueError(
+                "prompt must be a string, a list of strings, a list of token ids (integers) or a list of such lists"
+            ) from None
+
+    @field_validator("prompt")
+    @classmethod
+    def _unicode_prompt(cls, v):
+        return _valid_unicode(v, "prompt")
 
     def prompts(self) -> list:
         """The prompt(s) as a list of str or {"prompt_token_ids": [...]}."""
@@ -101,7 +165,12 @@ class CompletionRequest(_Sampling):
         if not out:
             raise ValueError("prompt must not be empty")
         if len(out) > MAX_PROMPTS:
-            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(out)}")
+            raise ValueError(f"prompt must hold at most {MAX_PROMPTS} prompts per request, got {len(out)}")
+        if len(out) * self.n > MAX_CHOICES:
+            raise ValueError(
+                f"n must be at most {MAX_CHOICES // len(out)} with {len(out)} prompts (at most {MAX_CHOICES} "
+                f"choices, prompts x n, per request); got n={self.n}"
+            )
         return out
 
 
@@ -116,6 +185,11 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+
+    @field_validator("content", "name")
+    @classmethod
+    def _unicode(cls, v, info):  # (text parts are checked here: an error inside a union member is unclear)
+        return _valid_unicode(v, info.field_name)
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -145,8 +219,13 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
+    @field_validator("prompt")
+    @classmethod
+    def _unicode_prompt(cls, v):
+        return _valid_unicode(v, "prompt")
+
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import logging
 import os
+import signal
+import threading
 import time
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -15,26 +19,43 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import arcserve
-from arcserve.api.errors import APIError, bad_request, error_response
+from arcserve.api.errors import APIError, ClientDisconnected, bad_request, error_response
 from arcserve.api.metrics import make_registry
 from arcserve.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from arcserve.api.serving import Serving
-from arcserve.engine.async_engine import AsyncLLM, EngineDeadError, EngineOverloaded
+from arcserve.api.serving import Serving, off_loop
+from arcserve.engine.async_engine import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineOverloaded,
+    RequestFailed,
+    ServerShuttingDown,
+)
 from arcserve.platform import cpu_threads_for_engine, resolve_device
 
 logger = logging.getLogger("arcserve")
 OPEN_PATHS = {"/health", "/metrics", "/ping", "/version", "/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc"}
+MAX_BODY_BYTES = 16 << 20  # default --max-request-body-bytes: a 128k-token prompt as JSON ids is ~1 MB
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
+
+
+def _is_type_tag(part) -> bool:
+    """A union member's name in a validation error's location ('str', 'list[ContentPart]'): not a
+    field of the request, so not part of the parameter path a client is shown."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part)
 
 
 class APIKeyMiddleware:
     """Bearer-key check as plain ASGI middleware (Starlette's BaseHTTPMiddleware would hide client
-    disconnects from the handlers, and a request whose client left must be aborted)."""
+    disconnects from the handlers, and a request whose client left must be aborted). The key is
+    compared in constant time. open_paths need no key."""
 
-    def __init__(self, app, api_key: str) -> None:
-        self.app, self.key = app, api_key.encode()
+    def __init__(self, app, api_key: str, open_paths: frozenset = frozenset(OPEN_PATHS)) -> None:
+        self.app, self.key, self.open = app, api_key.encode(), open_paths
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in self.open:
             given = dict(scope["headers"]).get(b"authorization", b"")
             token = given[7:] if given[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(token, self.key):
@@ -44,8 +65,52 @@ class APIKeyMiddleware:
         return await self.app(scope, receive, send)
 
 
+class BodyLimitMiddleware:
+    """Refuse request bodies over max_bytes with 413: by Content-Length before reading anything, and
+    for bodies without one (chunked uploads) by counting while reading them in, so a huge body is
+    never held in memory past the limit."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:  # the server holds the body to its declared length
+            if not declared.isdigit() or int(declared) > self.max:
+                return await self._refuse(scope, receive, send)
+            return await self.app(scope, receive, send)
+        chunks, seen = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":  # the client left
+                return
+            seen += len(msg.get("body", b""))
+            if seen > self.max:
+                return await self._refuse(scope, receive, send)
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body"):
+                break
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed():
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replayed, send)
+
+    async def _refuse(self, scope, receive, send):
+        resp = error_response(413, f"Request body too large: the limit is {self.max} bytes "
+                              "(--max-request-body-bytes)", code="request_too_large")  # fmt: skip
+        await resp(scope, receive, send)
+
+
 def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None,
-              chat_template: str | None = None) -> FastAPI:  # fmt: skip
+              chat_template: str | None = None, metrics_require_key: bool = False,
+              max_body_bytes: int = MAX_BODY_BYTES, cors: dict | None = None) -> FastAPI:  # fmt: skip
+    """cors: None (no CORS headers: browsers on other origins cannot call the API) or the keyword
+    arguments of Starlette's CORSMiddleware (allow_origins, allow_methods, allow_headers,
+    allow_credentials)."""
     llm = engine.engine
     serving = Serving(engine, served_model_name)
     registry = make_registry(llm.get_metrics, served_model_name)
@@ -53,8 +118,16 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
                   description="OpenAI-compatible API served by arcserve")  # fmt: skip
     created = int(time.time())
 
+    # Middleware added last runs first: CORS (answers preflights, which carry no key), then the
+    # key check, then the body limit.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        open_paths = frozenset(OPEN_PATHS - {"/metrics"} if metrics_require_key else OPEN_PATHS)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
+    if cors is not None:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, **cors)
 
     @app.exception_handler(APIError)
     async def api_error(_r: Request, e: APIError):
@@ -64,12 +137,16 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
     async def invalid(_r: Request, e: RequestValidationError):
         errs = e.errors()
         first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _is_type_tag(x)]
         where = ".".join(loc)
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             return error_response(400, f"Request body is not valid JSON: {msg}", code="invalid_json")
         return error_response(400, f"{where}: {msg}" if where else msg, param=where or None, code="invalid_value")
+
+    @app.exception_handler(ClientDisconnected)
+    async def gone(_r: Request, _e: ClientDisconnected):
+        return Response(status_code=499)  # nobody reads it; logged as 499 (client closed request), no traceback
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_r: Request, e: StarletteHTTPException):
@@ -80,9 +157,17 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
         return error_response(503, f"Server overloaded: {e}; retry later", code="overloaded",
                               headers={"Retry-After": "1"})  # fmt: skip
 
+    @app.exception_handler(ServerShuttingDown)
+    async def shutting_down(_r: Request, e: ServerShuttingDown):
+        return error_response(503, str(e), code="server_shutting_down", headers={"Retry-After": "5"})
+
     @app.exception_handler(EngineDeadError)
     async def dead(_r: Request, e: EngineDeadError):
         return error_response(500, str(e), code="internal_error")
+
+    @app.exception_handler(RequestFailed)
+    async def failed(_r: Request, e: RequestFailed):
+        return error_response(500, f"generation failed: {e}", code="internal_error")
 
     @app.exception_handler(ValueError)
     async def value_error(_r: Request, e: ValueError):
@@ -121,13 +206,15 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
+            messages = [m.as_template_dict() for m in body.messages]
             try:
-                _, ids = llm.apply_chat_template([m.as_template_dict() for m in body.messages], chat_template,
-                                                 body.add_generation_prompt)  # fmt: skip
+                _, ids = await off_loop(sum(len(m["content"]) for m in messages), llm.apply_chat_template, messages,
+                                        chat_template, body.add_generation_prompt)  # fmt: skip
             except ValueError as e:
                 raise bad_request(e) from e
         else:
-            ids = llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            encode = functools.partial(llm.tokenizer.encode, add_special_tokens=body.add_special_tokens)
+            ids = await off_loop(len(body.prompt), encode, body.prompt)
         return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
 
     @app.post("/detokenize")
@@ -139,7 +226,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
             raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
         known_len = len(llm.tokenizer)  # ids past the tokenizer (padded vocab) decode to nothing
         known = [t for t in body.tokens if t < known_len]
-        return {"prompt": llm.tokenizer.decode(known)}
+        return {"prompt": await off_loop(len(known), llm.tokenizer.decode, known)}
 
     @app.get("/health")
     async def health():
@@ -147,8 +234,12 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
             return Response(status_code=503)
         return Response(status_code=200)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping")
     async def ping():
+        return Response(status_code=200)
+
+    @app.post("/ping")
+    async def ping_post():
         return Response(status_code=200)
 
     @app.get("/version")
@@ -162,21 +253,35 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
     return app
 
 
+MAX_TEMPLATE_BYTES = 1 << 20
+
+
 def read_chat_template(path: str | None) -> str | None:
+    """The --chat-template file: a Jinja template, or a tokenizer_config.json-style file holding one.
+    Only this file is read: templates render in transformers' Jinja sandbox, which has no loader, so
+    `{% include %}` / `{% import %}` cannot reach other files (such a template fails with a 400)."""
     if path is None:
         return None
-    if not os.path.isfile(path):
+    real = os.path.realpath(path)
+    if not os.path.isfile(real):
         raise FileNotFoundError(f"--chat-template {path}: no such file")
-    with open(path) as f:
+    if os.path.getsize(real) > MAX_TEMPLATE_BYTES:
+        raise ValueError(f"--chat-template {path}: larger than {MAX_TEMPLATE_BYTES} bytes")
+    with open(real, encoding="utf-8") as f:
         text = f.read()
-    if path.endswith(".json"):  # a tokenizer_config.json-style file
-        text = json.loads(text).get("chat_template", text)
+    if real.endswith(".json"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--chat-template {path}: not valid JSON ({e})") from e
+        if not isinstance(data, dict) or not isinstance(data.get("chat_template"), str):
+            raise ValueError(f"--chat-template {path}: a .json file must hold a \"chat_template\" string")
+        text = data["chat_template"]
     return text
 
 
 def run_server(args, engine_args) -> None:
     import torch
-    import uvicorn
 
     from arcserve.engine.core_process import AsyncLLMProcess
 
@@ -189,14 +294,70 @@ def run_server(args, engine_args) -> None:
     if threads is not None:
         torch.set_num_threads(1)
         logger.info("CPU compute threads for the engine: %d (set OMP_NUM_THREADS to change)", threads)
+    cors = cors_options(args)
     front = AsyncLLMProcess(engine_args, args.max_waiting_requests, threads)
     name = args.served_model_name or os.path.basename(os.path.normpath(engine_args.model))
-    app = build_app(front, name, api_key, template)
+    app = build_app(front, name, api_key, template, args.metrics_require_key, args.max_request_body_bytes, cors)
     routes = sorted(f"{','.join(sorted(r.methods or []))} {r.path}" for r in app.routes if hasattr(r, "methods"))
     logger.info("Routes: %s", "; ".join(routes))
-    logger.info("Serving %s as %r on http://%s:%d (API key %s)", engine_args.model, name, args.host, args.port,
-                "required" if api_key else "off")  # fmt: skip
+    logger.info("Serving %s as %r on http://%s:%d (API key %s; CORS %s)", engine_args.model, name, args.host,
+                args.port, "required" if api_key else "off", "off" if cors is None else cors["allow_origins"])  # fmt: skip
+    # uvicorn re-raises the signal that stopped it once it is done: a no-op handler makes SIGTERM's
+    # graceful shutdown end in exit status 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5,
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5)  # fmt: skip
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5)
+        DrainingServer(config, front, args.shutdown_timeout).run()
     finally:
         front.shutdown()
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a drain: on SIGTERM (or Ctrl-C) it stops accepting connections (uvicorn),
+    refuses new requests on open ones (503), lets the requests in flight finish for up to
+    `timeout` seconds, then stops the rest with a clear 503 error (streams end with an error event
+    and [DONE]) so every connection closes and the process exits."""
+
+    def __init__(self, config: uvicorn.Config, front: AsyncLLM, timeout: float) -> None:
+        super().__init__(config)
+        self.front, self.timeout = front, timeout
+
+    def handle_exit(self, sig, frame) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        if first:
+            self.front.draining = True
+            logger.info("Shutting down: no new requests; those in flight get up to %.0f s to finish", self.timeout)
+            timer = threading.Timer(self.timeout, _stop_rest, (self.front,))
+            timer.daemon = True  # an early clean exit does not wait for it
+            timer.start()
+
+
+def _stop_rest(front: AsyncLLM) -> None:
+    n = front.cancel_all(ServerShuttingDown("the server shut down before this request finished (--shutdown-timeout)"))
+    if n:
+        logger.warning("Shutdown timeout: stopped %d unfinished request(s)", n)
+
+
+def cors_options(args) -> dict | None:
+    """CORSMiddleware options from --allowed-origins etc.; None (CORS off) without origins."""
+    origins = _list_flag(args.allowed_origins)
+    if not origins:
+        return None
+    return {"allow_origins": origins, "allow_methods": _list_flag(args.allowed_methods) or ["GET", "POST"],
+            "allow_headers": _list_flag(args.allowed_headers) or ["Authorization", "Content-Type"],
+            "allow_credentials": args.allow_credentials}  # fmt: skip
+
+
+def _list_flag(value: str | None) -> list[str]:
+    """A JSON list (vLLM's form: '["https://a.example"]') or a comma-separated list."""
+    if not value:
+        return []
+    value = value.strip()
+    if value.startswith("["):
+        items = json.loads(value)
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            raise ValueError(f"expected a JSON list of strings, got {value!r}")
+        return items
+    return [x.strip() for x in value.split(",") if x.strip()]

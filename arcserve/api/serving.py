@@ -11,11 +11,23 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from arcserve.api.errors import APIError, bad_request, error_body
+from arcserve.api.errors import APIError, ClientDisconnected, bad_request, stream_error
 from arcserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from arcserve.engine.async_engine import AsyncLLM, RequestStream
 from arcserve.engine.detokenizer import TokenTexts
 from arcserve.outputs import CompletionOutput, RequestOutput
+
+# Prompts longer than this (characters) are tokenized, and chats rendered, in a worker thread: a
+# megabyte takes the tokenizer seconds, during which the event loop would serve no one else.
+OFFLOAD_CHARS = 32_768
+
+
+_LINE_BREAKS = {0x2028: "\\u2028", 0x2029: "\\u2029", 0x85: "\\u0085"}
+
+
+async def off_loop(size: int, fn, *args):
+    """fn(*args) here when `size` (characters, or token ids) is small, else in a worker thread."""
+    return fn(*args) if size < OFFLOAD_CHARS else await asyncio.to_thread(fn, *args)
 
 
 class Serving:
@@ -27,6 +39,13 @@ class Serving:
         self._token_str = TokenTexts(self.tokenizer)  # text of one token id, decoded once per id
 
     # ---- shared --------------------------------------------------------------------------------
+    def _tokenize(self, prompts: list) -> list[dict]:
+        out = []
+        for p in prompts:
+            text, ids = self.llm.tokenize_prompt(p)
+            out.append({"prompt_token_ids": ids, "prompt": text})
+        return out
+
     def _start(self, prompts: list, params_for, req: Request, priority: int, stream: bool) -> list[RequestStream]:
         """Queue one engine request per prompt; all or nothing (a bad prompt aborts the others)."""
         base = f"{uuid.uuid4().hex}"
@@ -61,7 +80,7 @@ class Serving:
                 if not pending:
                     return [t.result() for t in tasks]
                 if await raw.is_disconnected():
-                    raise asyncio.CancelledError
+                    raise ClientDisconnected
         finally:
             _cancel(tasks, streams)
 
@@ -100,7 +119,9 @@ class Serving:
 
     @staticmethod
     def _sse(obj) -> str:
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+        # U+2028, U+2029 and U+0085 are line breaks to str.splitlines(), which some SSE clients use:
+        # written as JSON escapes, an event stays one line for them too.
+        return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
     # ---- completions ---------------------------------------------------------------------------
     def _completion_logprobs(self, o: CompletionOutput, offset: int, k: int) -> dict | None:
@@ -123,10 +144,8 @@ class Serving:
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of must equal n (or be left out)", param="best_of")
         try:  # tokenize once; the engine gets token ids
-            prompts = []
-            for p in body.prompts():
-                text, ids = self.llm.tokenize_prompt(p)
-                prompts.append({"prompt_token_ids": ids, "prompt": text})
+            todo = body.prompts()
+            prompts = await off_loop(sum(len(p) for p in todo if isinstance(p, str)), self._tokenize, todo)
         except ValueError as e:
             raise bad_request(e) from e
         plens = [len(p["prompt_token_ids"]) for p in prompts]
@@ -228,7 +247,7 @@ class Serving:
                 yield self._sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                                  "choices": [], "usage": self._usage(plens, completion)})  # fmt: skip
         except Exception as e:  # after the headers went out, errors travel in the stream
-            yield self._sse(error_body(500, f"generation failed: {e}", code="internal_error"))
+            yield self._sse(stream_error(e))
         yield "data: [DONE]\n\n"
 
     # ---- chat ----------------------------------------------------------------------------------
@@ -246,11 +265,10 @@ class Serving:
         return {"content": content}
 
     async def chat(self, body: ChatCompletionRequest, raw: Request, chat_template: str | None):
+        messages = [m.as_template_dict() for m in body.messages]
+        args = (messages, chat_template, body.add_generation_prompt, body.chat_template_kwargs)
         try:
-            text, ids = self.llm.apply_chat_template(
-                [m.as_template_dict() for m in body.messages], chat_template, body.add_generation_prompt,
-                body.chat_template_kwargs,
-            )  # fmt: skip
+            text, ids = await off_loop(sum(len(m["content"]) for m in messages), self.llm.apply_chat_template, *args)
         except ValueError as e:
             raise bad_request(e) from e
         except Exception as e:  # template rendering errors (jinja) are the request's fault
@@ -299,7 +317,7 @@ class Serving:
             if include_usage:
                 yield chunk([], usage=self._usage([plen], completion))
         except Exception as e:
-            yield self._sse(error_body(500, f"generation failed: {e}", code="internal_error"))
+            yield self._sse(stream_error(e))
         yield "data: [DONE]\n\n"
 
 

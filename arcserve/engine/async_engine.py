@@ -37,15 +37,23 @@ def run_command(engine: LLMEngine, kind: str, arg) -> ValueError | None:
 
 
 def step_isolated(engine: LLMEngine) -> tuple[list[RequestOutput], list[str], Exception | None]:
-    """One engine step. If it raises, only the requests in flight fail: they are aborted (blocks
-    freed) and returned with the error, and the engine serves the next ones."""
+    """One engine step. If it raises, only the requests of the failed step (and of the step in
+    flight beside it) fail: they are aborted (blocks freed) and returned with the error, and the
+    engine serves the others and the next ones."""
     try:
         return engine.step(), [], None
     except Exception as e:
-        logger.exception("engine step failed; failing the requests in flight")
-        ids = list(engine.outputs.groups)
-        engine.abort_request(ids)
+        ids = engine.fail_step()
+        logger.exception("engine step failed; failing its %d request(s): %s", len(ids), ", ".join(ids[:8]))
         return [], ids, e
+
+
+class RequestFailed(RuntimeError):
+    """The engine step that held this request raised (HTTP 500); other requests are unaffected."""
+
+    def __init__(self, err: str) -> None:
+        super().__init__(f"internal error in the engine step that held this request ({err}); "
+                         "the request was stopped and its resources freed, other requests are unaffected")
 
 
 class EngineOverloaded(Exception):
@@ -54,6 +62,11 @@ class EngineOverloaded(Exception):
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+class ServerShuttingDown(Exception):
+    """The server is shutting down: new requests are refused and, past --shutdown-timeout, the
+    unfinished ones are stopped with this error (HTTP 503)."""
 
 
 class AsyncLLM:
@@ -67,6 +80,7 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._stop = False
         self.dead: BaseException | None = None
+        self.draining = False  # shutting down: no new requests
         self._thread = threading.Thread(target=self._run, name="arcserve-engine", daemon=True)
         if start:
             self._thread.start()
@@ -91,6 +105,8 @@ class AsyncLLM:
         """(prompt, params, request_id) items, all validated before any is queued: all or nothing."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped after an internal error: {self.dead!r}")
+        if self.draining:
+            raise ServerShuttingDown("the server is shutting down and takes no new requests")
         prepared = []
         for prompt, params, request_id in items:
             kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
@@ -112,13 +128,22 @@ class AsyncLLM:
         return streams
 
     def _check_capacity(self, new_seqs: int) -> None:
-        """503 when new sequences would have to wait while max_waiting_requests already wait.
-        Sequences that can start at once (free max_num_seqs slots) do not count as waiting."""
+        """503 when, with the new sequences, more than max_waiting_requests would wait. Requests the
+        engine has not seen yet are not all waiting: those that find a free max_num_seqs slot start
+        at once (unless the engine already holds waiting requests: then every newcomer waits)."""
         if self.max_waiting_requests is None:
             return
-        waiting = self.num_waiting
-        free = max(0, self.engine.args.max_num_seqs - self._num_running() - waiting)
-        if new_seqs > free and waiting + new_seqs - free > self.max_waiting_requests:
+        seats = self.engine.args.max_num_seqs
+        most = self.max_waiting_requests + seats
+        if new_seqs > most:  # could never be admitted: retrying does not help
+            raise ValueError(f"n must be smaller: the request needs {new_seqs} sequences (n x prompts) and "
+                             f"this server takes at most {most} at once (max_num_seqs + max_waiting_requests)")  # fmt: skip
+        waiting, pending = self.num_waiting, self._pending
+        if waiting > pending:  # the engine holds requests it could not start: newcomers queue behind them
+            would_wait = waiting + new_seqs
+        else:
+            would_wait = self._num_running() + pending + new_seqs - seats
+        if would_wait > self.max_waiting_requests:
             raise EngineOverloaded(f"{waiting} requests are waiting (limit {self.max_waiting_requests})")
 
     async def generate(self, prompt, params: SamplingParams, request_id: str, priority: int = 0,
@@ -142,6 +167,16 @@ class AsyncLLM:
     def _submit(self, kind: str, arg) -> None:
         self._commands.put((kind, arg))
         self._wake.set()
+
+    def cancel_all(self, err: Exception) -> int:
+        """Stop every unfinished request: its caller gets `err`, the engine frees its blocks.
+        Returns how many were stopped (graceful shutdown past its timeout)."""
+        with self._lock:
+            ids = list(self._streams)
+        for rid in ids:
+            self._deliver(rid, err)
+            self.abort(rid)
+        return len(ids)
 
     def shutdown(self) -> None:
         self._stop = True
@@ -171,7 +206,24 @@ class AsyncLLM:
             if err is not None:
                 self._deliver(arg[0].request_id, err)
 
+    def _die(self, err: BaseException) -> None:
+        """The engine cannot go on: every open request fails at once (no client waits on a dead
+        stream) and /health answers 503."""
+        logger.error("the engine stopped: %r", err)
+        self.dead = err
+        with self._lock:
+            ids = list(self._streams)
+        for rid in ids:
+            self._deliver(rid, EngineDeadError(f"the engine stopped: {err!r}"))
+
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # a fault outside a step (step faults are isolated in step_isolated)
+            logger.exception("engine thread failed")
+            self._die(e)
+
+    def _loop(self) -> None:
         while not self._stop:
             self._drain_commands()
             if not self.engine.has_unfinished_requests():
@@ -180,9 +232,12 @@ class AsyncLLM:
                 continue
             outputs, failed, err = step_isolated(self.engine)
             for rid in failed:
-                self._deliver(rid, RuntimeError(f"internal error while generating: {err!r}"))
+                self._deliver(rid, RequestFailed(repr(err)))
             for out in outputs:
                 self._deliver(out.request_id, out)
+
+
+_DEAD_CHECK_S = 1.0
 
 
 class RequestStream:
@@ -200,7 +255,14 @@ class RequestStream:
         if self.finished or self.closed:
             raise StopAsyncIteration
         try:
-            item = await self.q.get()
+            while True:  # wake up now and then: a dead engine ends the stream instead of leaving it hanging
+                try:
+                    item = await asyncio.wait_for(self.q.get(), _DEAD_CHECK_S)
+                    break
+                except asyncio.TimeoutError:
+                    if self.owner.dead is not None and self.q.empty():
+                        item = EngineDeadError(f"the engine stopped: {self.owner.dead!r}")
+                        break
         except BaseException:  # cancelled (client went away): abort the request
             self.close()
             raise

@@ -12,11 +12,12 @@ from __future__ import annotations
 import gc
 import logging
 import multiprocessing as mp
+import signal
 import threading
 import time
 
 from arcserve.config import EngineArgs
-from arcserve.engine.async_engine import AsyncLLM, EngineDeadError, run_command, step_isolated
+from arcserve.engine.async_engine import AsyncLLM, RequestFailed, run_command, step_isolated
 from arcserve.engine.inputs import InputProcessor
 
 logger = logging.getLogger("arcserve")
@@ -35,6 +36,11 @@ class EngineView(InputProcessor):
 
 def _core_main(args: EngineArgs, cmd_conn, out_conn, threads: int | None, log_level: int) -> None:
     import torch
+
+    # The server process decides when the engine stops (graceful shutdown): a SIGTERM or Ctrl-C sent
+    # to the whole process group must not kill the engine under the requests still finishing.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if threads:
@@ -104,11 +110,16 @@ class AsyncLLMProcess(AsyncLLM):
         cmd_parent, cmd_child = ctx.Pipe(duplex=False)[::-1]  # (send end, receive end) -> parent sends
         out_parent, out_child = ctx.Pipe(duplex=False)
         self._cmd, self._out = cmd_parent, out_parent
+        self._send_lock = threading.Lock()
         self.proc = ctx.Process(
             target=_core_main, args=(args, cmd_child, out_child, threads, logging.getLogger().level),
             name="arcserve-engine-core", daemon=True,
         )  # fmt: skip
         self.proc.start()
+        while not self._out.poll(0.5):  # loading may take minutes; a child that died never answers
+            if not self.proc.is_alive():
+                raise ValueError(f"the engine process exited while starting (exit code {self.proc.exitcode}); "
+                                 "its log above says why")  # fmt: skip
         kind, payload = self._out.recv()
         if kind == "fatal":
             self.proc.join(timeout=5)
@@ -126,7 +137,8 @@ class AsyncLLMProcess(AsyncLLM):
 
     def _submit(self, kind: str, arg) -> None:
         try:
-            self._cmd.send((kind, arg))
+            with self._send_lock:  # the event loop and the shutdown timer both send
+                self._cmd.send((kind, arg))
         except (BrokenPipeError, OSError) as e:
             self.dead = e
 
@@ -154,15 +166,7 @@ class AsyncLLMProcess(AsyncLLM):
                 self._deliver(msg[1], ValueError(msg[2]))
             elif kind == "failed":
                 for rid in msg[1]:
-                    self._deliver(rid, RuntimeError(f"internal error while generating: {msg[2]}"))
-
-    def _die(self, err: BaseException) -> None:
-        logger.error("the engine process died: %r", err)
-        self.dead = err
-        with self._lock:
-            ids = list(self._streams)
-        for rid in ids:
-            self._deliver(rid, EngineDeadError(f"the engine process died: {err!r}"))
+                    self._deliver(rid, RequestFailed(msg[2]))
 
     def shutdown(self) -> None:
         self._stop = True

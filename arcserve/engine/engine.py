@@ -6,7 +6,9 @@ step() = schedule -> execute (runner) -> update (scheduler) -> detokenize / stop
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -18,7 +20,7 @@ from arcserve.engine.output_processor import OutputProcessor, RequestGroup
 from arcserve.engine.policy import make_policy
 from arcserve.engine.request import Request, RequestStatus
 from arcserve.engine.runner import ModelRunner, StepHandle, kv_cache_bytes_per_block, profile_peak_activations
-from arcserve.engine.scheduler import Scheduler
+from arcserve.engine.scheduler import Scheduler, SchedulerOutput
 from arcserve.engine.speculative import DraftLength, accept
 from arcserve.kernels import get_ops
 from arcserve.models.loader import load_model
@@ -80,6 +82,12 @@ class LLMEngine(InputProcessor):
         # Overlapped steps: on by default on GPUs; the synchronous loop stays for the CPU and debugging.
         self.async_scheduling = args.async_scheduling if args.async_scheduling is not None else self.device.type != "cpu"
         self._in_flight: StepHandle | None = None
+        # The steps step() is working on (the one it schedules, the one in flight): fail_step()
+        # fails their requests when it raises; None in the list while the scheduler runs.
+        self._stepping: list[SchedulerOutput | None] = []
+        # Called with each scheduled step before it is launched; tests inject faults through it
+        # (ARCSERVE_FAULT_TOKEN=<id>: a step holding a request whose prompt has that token raises).
+        self.fault_hook: Callable[[SchedulerOutput], None] | None = _fault_hook_from_env()
         self.proposer = None
         if spec is not None:
             self.draft_length = DraftLength(spec.num_speculative_tokens)
@@ -191,6 +199,37 @@ class LLMEngine(InputProcessor):
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One scheduling step (see _step). If it raises, call fail_step() before the next one."""
+        self._stepping = [self._in_flight.sched] if self._in_flight is not None else []
+        outs = self._step()
+        self._stepping = []
+        return outs
+
+    def fail_step(self) -> list[str]:
+        """After step() raised: abort the requests of the steps it was working on (the step it
+        scheduled and the one in flight; every running request if the scheduler itself failed),
+        freeing their blocks, and return their request ids (of the groups). Requests in neither
+        step, e.g. waiting ones, are untouched and the engine serves on."""
+        children: set[str] = set()
+        for sched in self._stepping:
+            if sched is None:
+                children.update(r.request_id for r in self.scheduler.running)
+            else:
+                children.update(s.request.request_id for s in sched.seqs)
+        self._stepping, self._in_flight = [], None
+        ids = {self.outputs.seq_of[c][0].request_id for c in children if c in self.outputs.seq_of}
+        self.abort_request(sorted(ids))
+        return sorted(ids)
+
+    def _schedule(self) -> SchedulerOutput:
+        self._stepping.append(None)  # the scheduler runs: a failure here may touch any running request
+        sched = self.scheduler.schedule()
+        self._stepping[-1] = sched
+        if self.fault_hook is not None and not sched.is_empty:
+            self.fault_hook(sched)
+        return sched
+
+    def _step(self) -> list[RequestOutput]:
         """One scheduling step. Synchronous: schedule, run, read the sampled tokens, emit outputs.
         Overlapped (async_scheduling): schedule and launch step N+1, then read step N's tokens
         (which the device finished while the host scheduled) and emit its outputs; step N+1 takes
@@ -200,7 +239,7 @@ class LLMEngine(InputProcessor):
         if not self.async_scheduling:
             if due:
                 self._propose(due)
-            sched = self.scheduler.schedule()
+            sched = self._schedule()
             if sched.is_empty:
                 return []
             handle = self.runner.launch(sched)
@@ -215,7 +254,7 @@ class LLMEngine(InputProcessor):
             outs, prev = self._finish(prev), None
         if due:
             self._propose(due)
-        sched = self.scheduler.schedule()
+        sched = self._schedule()
         if not sched.is_empty:
             self._in_flight = self.runner.launch(sched)
             self.scheduler.on_launched(sched)
@@ -362,3 +401,18 @@ class LLMEngine(InputProcessor):
             for name, h in m.hist.items():
                 out[f"arcserve:{name}"] = {"count": h.count, "sum": h.sum, "buckets": h.cumulative()}
         return out
+
+
+def _fault_hook_from_env() -> Callable[[SchedulerOutput], None] | None:
+    """The test hook of ARCSERVE_FAULT_TOKEN (unset: none): a step that holds a request whose prompt
+    contains that token id raises, as a fault inside a step would (tests of fault isolation)."""
+    raw = os.environ.get("ARCSERVE_FAULT_TOKEN")
+    if not raw:
+        return None
+    token = int(raw)
+
+    def hook(sched: SchedulerOutput) -> None:
+        if any(token in s.request.token_ids[: s.request.num_prompt_tokens] for s in sched.seqs):
+            raise RuntimeError(f"injected fault (ARCSERVE_FAULT_TOKEN={token})")
+
+    return hook

@@ -69,10 +69,18 @@ class InputProcessor:
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"Each chat message needs 'role' and 'content'; got {m!r}")
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            chat_template=template, **(chat_template_kwargs or {}),
-        )  # fmt: skip
+        kwargs = dict(chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:  # template variables only: no switching the template or the tokenizer's output
+            raise ValueError(f"chat_template_kwargs must not set {', '.join(reserved)}")
+        try:  # the template runs in transformers' Jinja sandbox, which has no file loader
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template, **kwargs
+            )
+        except Exception as e:  # a template that refuses the conversation, or breaks on it: the request's fault
+            raise ValueError(f"could not apply the chat template: {type(e).__name__}: {e}") from e
+        if not isinstance(text, str):
+            raise ValueError("the chat template did not render to text")
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     def prepare_request(
@@ -133,3 +141,11 @@ def _int_list(ids) -> list[int]:
     if arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu":
         return arr.tolist()
     return [int(t) for t in ids]
+
+
+# apply_chat_template's own parameters: a request's chat_template_kwargs may not set them
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "chat_template", "tokenize", "add_generation_prompt", "continue_final_message", "padding",
+    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "tools", "documents",
+})  # fmt: skip

@@ -30,6 +30,7 @@ ITL_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                5.0, 7.5, 10.0, 20.0, 40.0, 80.0]  # fmt: skip
 LATENCY_BUCKETS = [0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
+STEP_TOKEN_BUCKETS = [float(1 << i) for i in range(13)]  # 1, 2, 4, ... 4096
 
 
 @dataclass
@@ -80,14 +81,19 @@ class EngineMetrics:
             "request_queue_time_seconds": Histogram(LATENCY_BUCKETS),
             "request_prompt_tokens": Histogram(tokens),
             "request_generation_tokens": Histogram(tokens),
+            "step_generated_tokens": Histogram(STEP_TOKEN_BUCKETS),
         }
 
     def on_tokens(self, ttfts: list[float], prompt_tokens: int, itls: list[float]) -> None:
         """One step's generated tokens: the times to first token of sequences that got their first
         (whose prompts, `prompt_tokens` in all, are then done) and the other tokens' inter-token
-        latencies. One lock per step, not per token."""
+        latencies. One lock per step, not per token. A step that generated tokens also counts in
+        step_generated_tokens: how wide decoding was batched (its count is the number of such steps)."""
+        new = len(ttfts) + len(itls)
         with self.lock:
-            self.generation_tokens += len(ttfts) + len(itls)
+            self.generation_tokens += new
+            if new:
+                self.hist["step_generated_tokens"].observe(new)
             self.prompt_tokens += prompt_tokens
             self.hist["time_to_first_token_seconds"].observe_many(ttfts)
             self.hist["inter_token_latency_seconds"].observe_many(itls)

@@ -104,9 +104,9 @@ class Server:
 
 @contextlib.contextmanager
 def serve(model_dir, name: str = MODEL, api_key: str | None = None, max_waiting_requests: int | None = None,
-          process: bool = False, **engine_kw) -> Iterator[Server]:  # fmt: skip
+          process: bool = False, app_kw: dict | None = None, **engine_kw) -> Iterator[Server]:  # fmt: skip
     """A real uvicorn server on 127.0.0.1 in a thread; the engine in a thread of this process, or in
-    its own process (process=True, as `arcserve serve` runs it)."""
+    its own process (process=True, as `arcserve serve` runs it). app_kw: more build_app options."""
     import uvicorn
 
     from arcserve import EngineArgs
@@ -123,7 +123,7 @@ def serve(model_dir, name: str = MODEL, api_key: str | None = None, max_waiting_
     else:
         engine = LLMEngine(EngineArgs(model=str(model_dir), **kw))
         front = AsyncLLM(engine, max_waiting_requests=max_waiting_requests)
-    app = build_app(front, name, api_key=api_key)
+    app = build_app(front, name, api_key=api_key, **(app_kw or {}))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host=HOST, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)

@@ -67,6 +67,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": "Hello"}, ANY, ""),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", ""),
     ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages.0.role", ""),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content", ""),  # no 'str' tag
     (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -82,9 +83,11 @@ BAD_REQUESTS = [
     (
         "/v1/chat/completions",
         {"messages": USER, "chat_template_kwargs": {"add_generation_prompt": True}},
-        "messages",
-        "chat template",
+        "chat_template_kwargs",
+        "must not set add_generation_prompt",
     ),
+    ("/v1/chat/completions", {"messages": USER, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
+     "chat_template_kwargs", "must not set chat_template"),
     ("/tokenize", {"prompt": "x", "messages": USER}, "prompt", "exactly one"),
     ("/tokenize", {}, "prompt", "exactly one"),
     ("/detokenize", {"tokens": [-1]}, "tokens", "[0, 320)"),

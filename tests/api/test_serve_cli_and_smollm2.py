@@ -4,7 +4,6 @@ served over HTTP gives a sensible chat answer."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -42,7 +41,7 @@ def test_cli_serve_subprocess(llama_dir, tmp_path):
             proc.kill()
             proc.wait(timeout=10)
     text = log.read_text(errors="replace")
-    assert proc.returncode in (0, -signal.SIGTERM) and "Traceback" not in text, (proc.returncode, text)
+    assert proc.returncode == 0 and "Traceback" not in text, (proc.returncode, text)  # graceful SIGTERM
 
 
 def test_smollm2_chat_answer(smollm2_dir):

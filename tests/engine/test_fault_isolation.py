@@ -1,0 +1,132 @@
+"""A fault inside an engine step fails only the requests of that step (and of the step in flight
+beside it): they are aborted with their blocks freed, every other request finishes with exactly
+the output it gets alone, and the engine keeps serving new requests."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import DEVICE
+
+from arcserve import EngineArgs, LLMEngine, SamplingParams
+from arcserve.engine.async_engine import step_isolated
+from arcserve.engine.engine import _fault_hook_from_env
+
+FAULT = 7  # the token id whose presence in a prompt makes its step raise (the test hook)
+
+
+def make_engine(model_dir, overlap: bool) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=str(model_dir), dtype="float32", device=DEVICE.type, max_model_len=128,
+                                block_size=16, num_kv_blocks=24, max_num_seqs=2, async_scheduling=overlap))  # fmt: skip
+
+
+def alone(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[int]:
+    engine.add_request("alone", {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                return out.outputs[0].token_ids
+    raise AssertionError("no output")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failing_step_fails_only_its_requests(llama_dir, monkeypatch, overlap):
+    monkeypatch.setenv("ARCSERVE_FAULT_TOKEN", str(FAULT))
+    engine = make_engine(llama_dir, overlap)
+    assert engine.fault_hook is not None
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    healthy = {"a": [11, 12, 13, 14], "w1": [21, 22, 23], "w2": [31, 32, 33, 34, 35]}
+    expected = {rid: alone(engine, p, params) for rid, p in healthy.items()}
+
+    # max_num_seqs 2: "a" runs; "f" (fault token in its prompt) joins it after a few steps; w1 and
+    # w2 wait behind them and are in neither step when it fails
+    engine.add_request("a", {"prompt_token_ids": healthy["a"]}, params)
+    finished, failed, errors = {}, [], []
+    for i in range(300):
+        if i == 3:
+            engine.add_request("f", {"prompt_token_ids": [40, FAULT, 41]}, params)
+            engine.add_request("w1", {"prompt_token_ids": healthy["w1"]}, params)
+            engine.add_request("w2", {"prompt_token_ids": healthy["w2"]}, params)
+        outs, ids, err = step_isolated(engine)
+        failed += ids
+        if err is not None:
+            errors.append(err)
+            # the failed step's requests are gone and hold nothing; the waiting ones are untouched
+            assert not any(r.request_id in ("a", "f") for r in engine.scheduler.running)
+            assert engine.scheduler.stats().num_waiting == 2
+        finished.update({o.request_id: o for o in outs if o.finished})
+        if not engine.has_unfinished_requests():
+            break
+    assert sorted(failed) == ["a", "f"]  # "a" shared the step with "f"
+    assert len(errors) == 1 and "injected fault" in str(errors[0])
+    assert {rid: o.outputs[0].token_ids for rid, o in finished.items()} == {k: expected[k] for k in ("w1", "w2")}
+    st = engine.scheduler.stats()
+    assert (st.num_running, st.num_waiting, st.kv_cache_usage) == (0, 0, 0.0)
+    # the engine serves on: the same request again gets its output
+    assert alone(engine, healthy["a"], params) == expected["a"]
+
+
+def test_a_failing_scheduler_fails_the_running_requests(llama_dir):
+    """If the scheduler itself raises, which running request it touched is unknown: all running
+    requests fail, waiting ones stay."""
+    engine = make_engine(llama_dir, False)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = alone(engine, [51, 52, 53], params)
+    for rid in ("r1", "r2", "w"):
+        engine.add_request(rid, {"prompt_token_ids": [51, 52, 53]}, params)
+    engine.step()  # r1 and r2 run, w waits (max_num_seqs 2)
+    real = engine.scheduler.schedule
+    calls = []
+
+    def broken():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("scheduler bug")
+        return real()
+
+    engine.scheduler.schedule = broken
+    outs, ids, err = step_isolated(engine)
+    assert (outs, ids, str(err)) == ([], ["r1", "r2"], "scheduler bug")
+    got = {}
+    while engine.has_unfinished_requests():
+        got.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert got == {"w": want}
+    assert engine.scheduler.stats().kv_cache_usage == 0.0
+
+
+def test_fault_hook_is_off_unless_asked(monkeypatch):
+    monkeypatch.delenv("ARCSERVE_FAULT_TOKEN", raising=False)
+    assert _fault_hook_from_env() is None
+
+
+def test_an_engine_process_that_dies_while_starting_is_reported(llama_dir):
+    """The server waits for its engine process to load the model; if that process dies before it
+    answers (killed, out of memory), startup fails with a clear error instead of waiting forever."""
+    import multiprocessing as mp
+    import os
+    import signal
+    import threading
+    import time
+
+    from arcserve.engine.core_process import AsyncLLMProcess
+
+    result: dict = {}
+
+    def start():
+        try:
+            AsyncLLMProcess(EngineArgs(model=str(llama_dir), dtype="float32", max_model_len=128, num_kv_blocks=16))
+            result["started"] = True
+        except ValueError as e:
+            result["error"] = str(e)
+
+    t = threading.Thread(target=start, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    child = None
+    while child is None and time.monotonic() < deadline:
+        child = next((p for p in mp.active_children() if p.name == "arcserve-engine-core"), None)
+        time.sleep(0.005)
+    assert child is not None
+    os.kill(child.pid, signal.SIGKILL)  # before it can have loaded torch and the model
+    t.join(timeout=20)
+    assert not t.is_alive(), "startup still waits for a dead engine process"
+    assert "engine process exited while starting" in result.get("error", ""), result
