@@ -296,20 +296,24 @@ def run_server(args, engine_args) -> None:
         logger.info("CPU compute threads for the engine: %d (set OMP_NUM_THREADS to change)", threads)
     cors = cors_options(args)
     front = AsyncLLMProcess(engine_args, args.max_waiting_requests, threads)
-    name = args.served_model_name or os.path.basename(os.path.normpath(engine_args.model))
-    app = build_app(front, name, api_key, template, args.metrics_require_key, args.max_request_body_bytes, cors)
-    routes = sorted(f"{','.join(sorted(r.methods or []))} {r.path}" for r in app.routes if hasattr(r, "methods"))
-    logger.info("Routes: %s", "; ".join(routes))
-    logger.info("Serving %s as %r on http://%s:%d (API key %s; CORS %s)", engine_args.model, name, args.host,
-                args.port, "required" if api_key else "off", "off" if cors is None else cors["allow_origins"])  # fmt: skip
-    # uvicorn re-raises the signal that stopped it once it is done: a no-op handler makes SIGTERM's
-    # graceful shutdown end in exit status 0.
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5,
-                            timeout_graceful_shutdown=args.shutdown_timeout + 5)  # fmt: skip
+    server = None
     try:
-        DrainingServer(config, front, args.shutdown_timeout).run()
+        name = args.served_model_name or os.path.basename(os.path.normpath(engine_args.model))
+        app = build_app(front, name, api_key, template, args.metrics_require_key, args.max_request_body_bytes, cors)
+        routes = sorted(f"{','.join(sorted(r.methods or []))} {r.path}" for r in app.routes if hasattr(r, "methods"))
+        logger.info("Routes: %s", "; ".join(routes))
+        logger.info("Serving %s as %r on http://%s:%d (API key %s; CORS %s)", engine_args.model, name, args.host,
+                    args.port, "required" if api_key else "off", "off" if cors is None else cors["allow_origins"])  # fmt: skip
+        # uvicorn re-raises the signal that stopped it once it is done: a no-op handler makes
+        # SIGTERM's graceful shutdown end in exit status 0.
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5,
+                                timeout_graceful_shutdown=args.shutdown_timeout + 5)  # fmt: skip
+        server = DrainingServer(config, front, args.shutdown_timeout)
+        server.run()
     finally:
+        if server is not None and server.timer is not None:
+            server.timer.cancel()  # everything finished before the shutdown timeout
         front.shutdown()
 
 
@@ -322,6 +326,7 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, front: AsyncLLM, timeout: float) -> None:
         super().__init__(config)
         self.front, self.timeout = front, timeout
+        self.timer: threading.Timer | None = None
 
     def handle_exit(self, sig, frame) -> None:
         first = not self.should_exit
@@ -329,9 +334,9 @@ class DrainingServer(uvicorn.Server):
         if first:
             self.front.draining = True
             logger.info("Shutting down: no new requests; those in flight get up to %.0f s to finish", self.timeout)
-            timer = threading.Timer(self.timeout, _stop_rest, (self.front,))
-            timer.daemon = True  # an early clean exit does not wait for it
-            timer.start()
+            self.timer = threading.Timer(self.timeout, _stop_rest, (self.front,))
+            self.timer.daemon = True  # an early clean exit does not wait for it
+            self.timer.start()
 
 
 def _stop_rest(front: AsyncLLM) -> None:

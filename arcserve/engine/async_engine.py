@@ -37,15 +37,16 @@ def run_command(engine: LLMEngine, kind: str, arg) -> ValueError | None:
 
 
 def step_isolated(engine: LLMEngine) -> tuple[list[RequestOutput], list[str], Exception | None]:
-    """One engine step. If it raises, only the requests of the failed step (and of the step in
-    flight beside it) fail: they are aborted (blocks freed) and returned with the error, and the
-    engine serves the others and the next ones."""
+    """One engine step: (outputs, failed group ids, error). If it raises, only the requests of the
+    failed step (and of the step in flight beside it) fail: they are aborted (blocks freed) and
+    returned with the error, after the outputs the step built before it failed (deliver those
+    first), and the engine serves the others and the next ones."""
     try:
         return engine.step(), [], None
     except Exception as e:
-        ids = engine.fail_step()
+        outs, ids = engine.fail_step()
         logger.exception("engine step failed; failing its %d request(s): %s", len(ids), ", ".join(ids[:8]))
-        return [], ids, e
+        return outs, ids, e
 
 
 class RequestFailed(RuntimeError):
@@ -76,7 +77,7 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._pending = 0  # requests handed over but not yet seen by the engine thread
+        self._pending = 0  # sequences (n per request) handed over but not yet seen by the engine
         self._lock = threading.Lock()
         self._stop = False
         self.dead: BaseException | None = None
@@ -122,7 +123,7 @@ class AsyncLLM:
                 q: asyncio.Queue = asyncio.Queue()
                 self._streams[group.request_id] = (loop, q)
                 streams.append(RequestStream(self, group.request_id, q))
-            self._pending += len(prepared)
+            self._pending += sum(g.params.n for g, _ in prepared)
         for p in prepared:
             self._submit("add", p)
         return streams
@@ -199,7 +200,7 @@ class AsyncLLM:
                 return
             if kind == "add":
                 with self._lock:
-                    self._pending -= 1
+                    self._pending -= arg[0].params.n
                 if arg[0].request_id not in self._streams:  # its caller already left
                     continue
             err = run_command(self.engine, kind, arg)
@@ -231,13 +232,14 @@ class AsyncLLM:
                 self._wake.clear()
                 continue
             outputs, failed, err = step_isolated(self.engine)
-            for rid in failed:
-                self._deliver(rid, RequestFailed(repr(err)))
             for out in outputs:
                 self._deliver(out.request_id, out)
+            for rid in failed:
+                self._deliver(rid, RequestFailed(repr(err)))
 
 
 _DEAD_CHECK_S = 1.0
+_timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
 
 
 class RequestStream:
@@ -255,14 +257,7 @@ class RequestStream:
         if self.finished or self.closed:
             raise StopAsyncIteration
         try:
-            while True:  # wake up now and then: a dead engine ends the stream instead of leaving it hanging
-                try:
-                    item = await asyncio.wait_for(self.q.get(), _DEAD_CHECK_S)
-                    break
-                except asyncio.TimeoutError:
-                    if self.owner.dead is not None and self.q.empty():
-                        item = EngineDeadError(f"the engine stopped: {self.owner.dead!r}")
-                        break
+            item = self.q.get_nowait() if not self.q.empty() else await self._wait()
         except BaseException:  # cancelled (client went away): abort the request
             self.close()
             raise
@@ -274,6 +269,20 @@ class RequestStream:
             self.finished = True
             self.close()
         return item
+
+    async def _wait(self):
+        """The next item; wakes up every _DEAD_CHECK_S so that a dead engine ends the stream
+        instead of leaving it hanging. (asyncio.timeout where there is one: wait_for makes a task
+        per call on Python < 3.12, a cost per token of every stream.)"""
+        while True:
+            try:
+                if _timeout is not None:
+                    async with _timeout(_DEAD_CHECK_S):
+                        return await self.q.get()
+                return await asyncio.wait_for(self.q.get(), _DEAD_CHECK_S)
+            except asyncio.TimeoutError:
+                if self.owner.dead is not None and self.q.empty():
+                    return EngineDeadError(f"the engine stopped: {self.owner.dead!r}")
 
     def close(self) -> None:
         if not self.closed:

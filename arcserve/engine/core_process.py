@@ -37,11 +37,6 @@ class EngineView(InputProcessor):
 def _core_main(args: EngineArgs, cmd_conn, out_conn, threads: int | None, log_level: int) -> None:
     import torch
 
-    # The server process decides when the engine stops (graceful shutdown): a SIGTERM or Ctrl-C sent
-    # to the whole process group must not kill the engine under the requests still finishing.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if threads:
         torch.set_num_threads(threads)
@@ -57,6 +52,11 @@ def _core_main(args: EngineArgs, cmd_conn, out_conn, threads: int | None, log_le
     # walk them all, tens of ms (69 ms on the CI machine) landing on some request's latency.
     gc.collect()
     gc.freeze()
+    # From now on the server process decides when the engine stops (graceful shutdown): a SIGTERM or
+    # Ctrl-C sent to the whole process group must not kill the engine under the requests still
+    # finishing. (While loading, the signals still stop this process: nothing is lost then.)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     out_conn.send(("ready", engine.get_metrics()))
     try:
         _serve_commands(engine, cmd_conn, out_conn)
@@ -89,7 +89,7 @@ def _serve_commands(engine, cmd_conn, out_conn) -> None:
             kind, arg = cmd_conn.recv()
             if kind == "stop":
                 return
-            added += kind == "add"
+            added += arg[0].params.n if kind == "add" else 0  # sequences, as the parent counts them
             err = run_command(engine, kind, arg)
             if err is not None:
                 out_conn.send(("error", arg[0].request_id, str(err)))
@@ -98,9 +98,9 @@ def _serve_commands(engine, cmd_conn, out_conn) -> None:
                 out_conn.send(("outputs", [], figures(True), added))
             continue
         outs, failed, err = step_isolated(engine)
+        out_conn.send(("outputs", outs, figures(bool(failed) or any(o.finished for o in outs)), added))
         if failed:
             out_conn.send(("failed", failed, repr(err)))
-        out_conn.send(("outputs", outs, figures(bool(failed) or any(o.finished for o in outs)), added))
 
 
 class AsyncLLMProcess(AsyncLLM):
@@ -116,11 +116,17 @@ class AsyncLLMProcess(AsyncLLM):
             name="arcserve-engine-core", daemon=True,
         )  # fmt: skip
         self.proc.start()
-        while not self._out.poll(0.5):  # loading may take minutes; a child that died never answers
-            if not self.proc.is_alive():
-                raise ValueError(f"the engine process exited while starting (exit code {self.proc.exitcode}); "
-                                 "its log above says why")  # fmt: skip
-        kind, payload = self._out.recv()
+        try:
+            while not self._out.poll(0.5):  # loading may take minutes; a child that died never answers
+                if not self.proc.is_alive():
+                    raise ValueError(f"the engine process exited while starting (exit code {self.proc.exitcode}); "
+                                     "its log above says why")  # fmt: skip
+            kind, payload = self._out.recv()
+        except BaseException:  # Ctrl-C while loading, or the above: leave no engine process behind
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc.join(timeout=10)
+            raise
         if kind == "fatal":
             self.proc.join(timeout=5)
             raise ValueError(payload)
@@ -157,9 +163,9 @@ class AsyncLLMProcess(AsyncLLM):
             kind = msg[0]
             if kind == "outputs":
                 _, outs, snapshot, added = msg
-                with self._lock:
+                self.engine.snapshot = {**self.engine.snapshot, **snapshot}  # first: then the added ones
+                with self._lock:  # are counted there before they leave _pending (never in neither)
                     self._pending -= added
-                self.engine.snapshot = {**self.engine.snapshot, **snapshot}
                 for out in outs:
                     self._deliver(out.request_id, out)
             elif kind == "error":

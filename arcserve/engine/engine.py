@@ -83,8 +83,11 @@ class LLMEngine(InputProcessor):
         self.async_scheduling = args.async_scheduling if args.async_scheduling is not None else self.device.type != "cpu"
         self._in_flight: StepHandle | None = None
         # The steps step() is working on (the one it schedules, the one in flight): fail_step()
-        # fails their requests when it raises; None in the list while the scheduler runs.
-        self._stepping: list[SchedulerOutput | None] = []
+        # fails their requests when it raises; None in the list while the scheduler runs, the
+        # requests drafts are proposed for while the proposer runs.
+        self._stepping: list[SchedulerOutput | list[Request] | None] = []
+        self._salvage: list[RequestOutput] = []  # outputs a step built before it failed
+        self._failures = 0  # steps failed in a row
         # Called with each scheduled step before it is launched; tests inject faults through it
         # (ARCSERVE_FAULT_TOKEN=<id>: a step holding a request whose prompt has that token raises).
         self.fault_hook: Callable[[SchedulerOutput], None] | None = _fault_hook_from_env()
@@ -201,25 +204,36 @@ class LLMEngine(InputProcessor):
     def step(self) -> list[RequestOutput]:
         """One scheduling step (see _step). If it raises, call fail_step() before the next one."""
         self._stepping = [self._in_flight.sched] if self._in_flight is not None else []
+        self._salvage = []
         outs = self._step()
-        self._stepping = []
+        self._stepping, self._salvage, self._failures = [], [], 0
         return outs
 
-    def fail_step(self) -> list[str]:
+    def fail_step(self) -> tuple[list[RequestOutput], list[str]]:
         """After step() raised: abort the requests of the steps it was working on (the step it
-        scheduled and the one in flight; every running request if the scheduler itself failed),
-        freeing their blocks, and return their request ids (of the groups). Requests in neither
-        step, e.g. waiting ones, are untouched and the engine serves on."""
+        scheduled and the one in flight; the requests it was proposing drafts for; every running
+        request if the scheduler itself failed), freeing their blocks. Returns the outputs the step
+        had already built (of the step it read before failing: deliver them) and the request ids
+        (of the groups) that failed. Requests in none of those steps, e.g. waiting ones, are
+        untouched and the engine serves on. If that leaves nothing to blame, or steps fail three
+        times in a row, every unfinished request fails: a fault that outlives its requests (a
+        waiting request that breaks the scheduler) must not loop forever."""
         children: set[str] = set()
-        for sched in self._stepping:
-            if sched is None:
+        for part in self._stepping:
+            if part is None:
                 children.update(r.request_id for r in self.scheduler.running)
-            else:
-                children.update(s.request.request_id for s in sched.seqs)
+            elif isinstance(part, SchedulerOutput):
+                children.update(s.request.request_id for s in part.seqs)
+            else:  # the requests drafts were proposed for
+                children.update(r.request_id for r in part)
+        outs, self._salvage = self._salvage, []
         self._stepping, self._in_flight = [], None
+        self._failures += 1
         ids = {self.outputs.seq_of[c][0].request_id for c in children if c in self.outputs.seq_of}
+        if not ids or self._failures >= 3:
+            ids = set(self.outputs.groups)
         self.abort_request(sorted(ids))
-        return sorted(ids)
+        return outs, sorted(ids)
 
     def _schedule(self) -> SchedulerOutput:
         self._stepping.append(None)  # the scheduler runs: a failure here may touch any running request
@@ -238,7 +252,7 @@ class LLMEngine(InputProcessor):
         due = self._spec_due() if self.proposer is not None else None
         if not self.async_scheduling:
             if due:
-                self._propose(due)
+                self._propose_marked(due)
             sched = self._schedule()
             if sched.is_empty:
                 return []
@@ -252,8 +266,9 @@ class LLMEngine(InputProcessor):
         # speculate now (proposals start from the tokens on the host).
         if prev is not None and (prev.needs_history or prev.row_counts is not None or due):
             outs, prev = self._finish(prev), None
+            self._salvage = outs  # built and taken out of the engine: delivered even if the rest fails
         if due:
-            self._propose(due)
+            self._propose_marked(due)
         sched = self._schedule()
         if not sched.is_empty:
             self._in_flight = self.runner.launch(sched)
@@ -266,6 +281,12 @@ class LLMEngine(InputProcessor):
         """The running requests that decode next and speculate in this step (not paused)."""
         tick = self.draft_length.tick
         return [r for r in self.scheduler.running if r.num_uncomputed == 1 and tick(r)]
+
+    def _propose_marked(self, due: list[Request]) -> None:
+        """_propose, with `due` marked as the requests a failure here fails (see fail_step)."""
+        self._stepping.append(due)
+        self._propose(due)
+        self._stepping.pop()
 
     def _propose(self, due: list[Request]) -> None:
         """Drafts for the due requests (speculative.py), with every token on the host."""

@@ -696,3 +696,21 @@ def test_a_burst_may_fill_the_waiting_queue(llama_dir, one_thread):
         return accepted
 
     assert asyncio.run(burst()) == [True, True, True, False]
+
+    # Unseen requests count by their sequences (n each), as running and waiting ones do: with n=2,
+    # one request fills the slot and one waiting place, so a second one would overfill the queue.
+    front2 = AsyncLLM(engine, max_waiting_requests=2, start=False)
+    for i in range(4):
+        engine.abort_request(f"r{i}")
+
+    async def burst_n() -> list[bool]:
+        accepted = []
+        for i in range(2):
+            try:
+                front2.add_request("The quick brown fox", SamplingParams(max_tokens=4, n=2), f"n{i}")
+                accepted.append(True)
+            except EngineOverloaded:
+                accepted.append(False)
+        return accepted
+
+    assert asyncio.run(burst_n()) == [True, False]

@@ -93,6 +93,85 @@ def test_a_failing_scheduler_fails_the_running_requests(llama_dir):
     assert engine.scheduler.stats().kv_cache_usage == 0.0
 
 
+def test_outputs_read_before_a_failure_are_delivered(llama_dir):
+    """Overlapped steps read the previous step before scheduling the next when penalties need the
+    history. If the next step then fails, a request that finished in the step just read still gets
+    its final output (it is in neither failing step), and only the other request fails."""
+    engine = make_engine(llama_dir, True)
+    short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, presence_penalty=0.5)
+    want = alone(engine, [61, 62, 63], short)
+    engine.add_request("short", {"prompt_token_ids": [61, 62, 63]}, short)
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine.add_request("long", {"prompt_token_ids": [71, 72]}, long)
+    short_req = engine.scheduler.requests["short"]
+
+    def hook(sched):
+        if short_req.is_finished:
+            raise RuntimeError("fault after the read")
+
+    engine.fault_hook = hook
+    finals, failed, errors = {}, [], []
+    for _ in range(20):
+        outs, ids, err = step_isolated(engine)
+        finals.update({o.request_id: o.outputs[0].token_ids for o in outs if o.finished})
+        failed += ids
+        errors += [err] if err is not None else []
+        if not engine.has_unfinished_requests():
+            break
+    assert [str(e) for e in errors] == ["fault after the read"]
+    assert finals == {"short": want} and failed == ["long"]
+    assert engine.scheduler.stats().kv_cache_usage == 0.0
+
+
+def test_a_failing_proposer_fails_the_requests_it_drafted_for(llama_dir, monkeypatch):
+    """Speculative decoding in synchronous steps: if proposing drafts raises, the requests it
+    proposed for fail (not none, which would retry the same failing step forever)."""
+    engine = LLMEngine(EngineArgs(model=str(llama_dir), dtype="float32", device=DEVICE.type, max_model_len=128,
+                                  num_kv_blocks=24, async_scheduling=False,
+                                  speculative_config={"method": "ngram", "num_speculative_tokens": 3}))  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for rid in ("s1", "s2"):
+        engine.add_request(rid, {"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}, params)
+    engine.step()  # prefill: nothing proposed yet
+
+    def broken(due):
+        raise RuntimeError("proposer bug")
+
+    monkeypatch.setattr(engine, "_propose", broken)
+    outs, ids, err = step_isolated(engine)
+    assert (ids, str(err)) == (["s1", "s2"], "proposer bug")
+    assert not engine.has_unfinished_requests() and engine.scheduler.stats().kv_cache_usage == 0.0
+
+
+def test_a_fault_that_outlives_its_step_fails_everything_not_forever(llama_dir):
+    """A waiting request that breaks the scheduler every time: the first failure blames the running
+    requests, then, with none left to blame or three failures in a row, every unfinished request
+    fails, so the engine never loops on the same fault; afterwards it serves normally."""
+    engine = make_engine(llama_dir, False)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = alone(engine, [51, 52, 53], params)
+    for rid in ("r1", "r2", "poison"):
+        engine.add_request(rid, {"prompt_token_ids": [51, 52, 53]}, params)
+    engine.step()  # r1 and r2 run, "poison" waits
+    real = engine.scheduler.schedule
+
+    def broken():
+        if "poison" in engine.scheduler.requests and engine.scheduler.requests["poison"] not in engine.scheduler.running:
+            raise RuntimeError("scheduler bug on poison")
+        return real()
+
+    engine.scheduler.schedule = broken
+    failed = []
+    for _ in range(5):
+        outs, ids, err = step_isolated(engine)
+        failed += ids
+        if not engine.has_unfinished_requests():
+            break
+    assert sorted(failed) == ["poison", "r1", "r2"]
+    assert engine.scheduler.stats().kv_cache_usage == 0.0
+    assert alone(engine, [51, 52, 53], params) == want
+
+
 def test_fault_hook_is_off_unless_asked(monkeypatch):
     monkeypatch.delenv("ARCSERVE_FAULT_TOKEN", raising=False)
     assert _fault_hook_from_env() is None
