@@ -59,5 +59,6 @@ def get_ops(kernels: str, device: torch.device) -> SimpleNamespace:
             sample_from_cdf=triton_sampling.sample_from_cdf,
             paged_attention=triton_attention.paged_attention,
             make_decode_mirror=None,
+            pack_linear_weight=lambda weight: weight,  # Triton kernels read the checkpoint's layout
         )
     return SimpleNamespace(**ops)

@@ -15,27 +15,39 @@ import torch.nn.functional as F
 _PACK_BATCH_HINT = 64  # oneDNN layout tuned for ~64 rows; measured best from 1 to 2048 rows
 
 
+def native_half_matmul(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies bf16/fp16 matrices natively (oneDNN with AVX-512-BF16/AMX/FP16
+    paths). Without (e.g. AVX2-only CPUs), torch emulates them ~8x slower than float32."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+
+
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """On CPU, reorder bf16/fp16 weights once into oneDNN's blocked layout (AMX/AVX-512 friendly):
-    the same results as F.linear, ~1.4x faster for 1 to 64 rows and on par at 512
-    (benchmarks/cpu_ops.py, docs/BENCHMARKS.md). fp32 weights stay as they are, so fp32 runs remain
-    bit-identical to transformers."""
-    if (
-        weight.device.type == "cpu"
-        and weight.dtype in (torch.bfloat16, torch.float16)
-        and torch.backends.mkldnn.is_available()
-        # per dtype: a CPU with bf16 support may lack the fp16 path (seen on an AMD EPYC)
-        and (torch.ops.mkldnn._is_mkldnn_bf16_supported() if weight.dtype == torch.bfloat16
-             else torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    ):
+    """On CPU, prepare bf16/fp16 weights once for the CPU's fastest matrix product:
+    - with native half-precision matmul: reorder into oneDNN's blocked layout (AMX/AVX-512
+      friendly): the same results as F.linear, ~1.4x faster for 1 to 64 rows and on par at 512
+      (benchmarks/cpu_ops.py, docs/BENCHMARKS.md);
+    - without (per dtype: a CPU may have the bf16 path and lack the fp16 one, seen on an AMD EPYC),
+      a float32 copy: linear() multiplies in float32 and rounds the result to the activations'
+      dtype, which is what a half-precision GEMM with float32 accumulation computes, 7-9x faster
+      than torch's emulated bf16 product on an AVX2 CPU at 16-256 rows (docs/BENCHMARKS.md).
+    fp32 weights stay as they are, so fp32 runs remain bit-identical to transformers."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16):
+        return weight
+    if native_half_matmul(weight.dtype):
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_BATCH_HINT)
-    return weight
+    return weight.float()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias), for plain or packed (pack_linear_weight) weights."""
+    """x @ weight.T (+ bias), for plain or prepared (pack_linear_weight) weights."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    if weight.dtype != x.dtype:  # a float32 copy of half weights (CPU without native half matmul)
+        return F.linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, weight, bias)
 
 

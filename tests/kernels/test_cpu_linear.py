@@ -1,0 +1,38 @@
+"""CPU linear layers: half-precision weights are prepared once for the CPU's fastest product —
+oneDNN's blocked layout where the CPU multiplies bf16/fp16 natively, else a float32 copy (AVX2-only
+CPUs emulate half products several times slower) whose products are rounded to the activations'
+dtype. Either way the layer computes x @ W.T + b of the checkpoint's weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from arcserve.kernels import reference
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prepared_half_weights_compute_the_same_product(monkeypatch, native, dtype):
+    if native and not reference.native_half_matmul(dtype):
+        pytest.skip(f"this CPU has no native {dtype} matmul (the float32 branch covers it)")
+    monkeypatch.setattr(reference, "native_half_matmul", lambda _dtype: native)
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(96, 64, generator=g) / 8).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype)
+    packed = reference.pack_linear_weight(w)
+    assert packed.is_mkldnn if native else (packed.dtype == torch.float32 and torch.equal(packed, w.float()))
+    for rows in (1, 7, 64):
+        x = torch.randn(rows, 64, generator=g).to(dtype)
+        got = reference.linear(x, packed, b)
+        assert got.dtype == dtype and got.shape == (rows, 96)
+        want = F.linear(x.float(), w.float(), b.float())  # the exact product, rounded once below
+        assert torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2)
+        if not native:  # float32 arithmetic, one rounding: exactly the rounded exact product
+            assert torch.equal(got, want.to(dtype))
+
+
+def test_float32_weights_are_left_alone():
+    w = torch.randn(8, 4)
+    assert reference.pack_linear_weight(w) is w
