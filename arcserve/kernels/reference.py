@@ -17,7 +17,7 @@ _PACK_BATCH_HINT = 64  # oneDNN layout tuned for ~64 rows; measured best from 1 
 
 def native_half_matmul(dtype: torch.dtype) -> bool:
     """Whether this CPU multiplies bf16/fp16 matrices natively (oneDNN with AVX-512-BF16/AMX/FP16
-    paths). Without (e.g. AVX2-only CPUs), torch emulates them ~8x slower than float32."""
+    paths). Without (e.g. AVX2-only CPUs), torch emulates them 4-9x slower than float32."""
     if not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.bfloat16:
@@ -32,7 +32,7 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
       (benchmarks/cpu_ops.py, docs/BENCHMARKS.md);
     - without (per dtype: a CPU may have the bf16 path and lack the fp16 one, seen on an AMD EPYC),
       a float32 copy: linear() multiplies in float32 and rounds the result to the activations'
-      dtype, which is what a half-precision GEMM with float32 accumulation computes, 7-9x faster
+      dtype, which is what a half-precision GEMM with float32 accumulation computes, 4-9x faster
       than torch's emulated bf16 product on an AVX2 CPU at 16-256 rows (docs/BENCHMARKS.md).
     fp32 weights stay as they are, so fp32 runs remain bit-identical to transformers."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16):
