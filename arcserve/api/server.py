@@ -206,12 +206,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
-            messages = [m.as_template_dict() for m in body.messages]
-            try:
-                _, ids = await off_loop(sum(len(m["content"]) for m in messages), llm.apply_chat_template, messages,
-                                        chat_template, body.add_generation_prompt)  # fmt: skip
-            except ValueError as e:
-                raise bad_request(e) from e
+            _, ids = await serving.render_chat(body, chat_template)
         else:
             encode = functools.partial(llm.tokenizer.encode, add_special_tokens=body.add_special_tokens)
             ids = await off_loop(len(body.prompt), encode, body.prompt)

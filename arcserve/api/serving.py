@@ -46,6 +46,16 @@ class Serving:
             out.append({"prompt_token_ids": ids, "prompt": text})
         return out
 
+    async def render_chat(self, body, chat_template: str | None, kwargs: dict | None = None) -> tuple[str, list[int]]:
+        """The request's messages through the chat template: (text, token ids); a long chat is
+        rendered off the event loop; a template that fails on them is a 400."""
+        messages = [m.as_template_dict() for m in body.messages]
+        args = (messages, chat_template, body.add_generation_prompt, kwargs)
+        try:
+            return await off_loop(sum(len(m["content"]) for m in messages), self.llm.apply_chat_template, *args)
+        except ValueError as e:
+            raise bad_request(e) from e
+
     def _start(self, prompts: list, params_for, req: Request, priority: int, stream: bool) -> list[RequestStream]:
         """Queue one engine request per prompt; all or nothing (a bad prompt aborts the others)."""
         base = f"{uuid.uuid4().hex}"
@@ -265,14 +275,7 @@ class Serving:
         return {"content": content}
 
     async def chat(self, body: ChatCompletionRequest, raw: Request, chat_template: str | None):
-        messages = [m.as_template_dict() for m in body.messages]
-        args = (messages, chat_template, body.add_generation_prompt, body.chat_template_kwargs)
-        try:
-            text, ids = await off_loop(sum(len(m["content"]) for m in messages), self.llm.apply_chat_template, *args)
-        except ValueError as e:
-            raise bad_request(e) from e
-        except Exception as e:  # template rendering errors (jinja) are the request's fault
-            raise APIError(400, f"could not apply the chat template: {e}", param="messages") from e
+        text, ids = await self.render_chat(body, chat_template, body.chat_template_kwargs)
         prompt = {"prompt_token_ids": ids, "prompt": text}
         k = body.top_logprobs or 0
         if body.top_logprobs is not None and not body.logprobs:

@@ -212,10 +212,7 @@ class AsyncLLM:
         stream) and /health answers 503."""
         logger.error("the engine stopped: %r", err)
         self.dead = err
-        with self._lock:
-            ids = list(self._streams)
-        for rid in ids:
-            self._deliver(rid, EngineDeadError(f"the engine stopped: {err!r}"))
+        self.cancel_all(EngineDeadError(f"the engine stopped: {err!r}"))
 
     def _run(self) -> None:
         try:

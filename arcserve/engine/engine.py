@@ -252,7 +252,7 @@ class LLMEngine(InputProcessor):
         due = self._spec_due() if self.proposer is not None else None
         if not self.async_scheduling:
             if due:
-                self._propose_marked(due)
+                self._propose(due)
             sched = self._schedule()
             if sched.is_empty:
                 return []
@@ -268,7 +268,7 @@ class LLMEngine(InputProcessor):
             outs, prev = self._finish(prev), None
             self._salvage = outs  # built and taken out of the engine: delivered even if the rest fails
         if due:
-            self._propose_marked(due)
+            self._propose(due)
         sched = self._schedule()
         if not sched.is_empty:
             self._in_flight = self.runner.launch(sched)
@@ -282,14 +282,10 @@ class LLMEngine(InputProcessor):
         tick = self.draft_length.tick
         return [r for r in self.scheduler.running if r.num_uncomputed == 1 and tick(r)]
 
-    def _propose_marked(self, due: list[Request]) -> None:
-        """_propose, with `due` marked as the requests a failure here fails (see fail_step)."""
-        self._stepping.append(due)
-        self._propose(due)
-        self._stepping.pop()
-
     def _propose(self, due: list[Request]) -> None:
-        """Drafts for the due requests (speculative.py), with every token on the host."""
+        """Drafts for the due requests (speculative.py), with every token on the host. While it
+        runs, `due` are the requests a failure fails (see fail_step)."""
+        self._stepping.append(due)
         wanted = []
         limit = self.max_model_len
         for req in due:
@@ -305,6 +301,7 @@ class LLMEngine(InputProcessor):
             for req, _ in wanted:
                 if not req.spec_token_ids:
                     self.draft_length.update(req, 0, 0)
+        self._stepping.pop()
 
     def _verify(self, handle: StepHandle, tokens: dict) -> dict[str, int]:
         """Replace each speculating request's row tokens by its accepted tokens; count them.

@@ -4,7 +4,10 @@ SSE and Prometheus parsing, and a transformers oracle."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -186,3 +189,27 @@ class HF:
         """The tiny models' chat template written out by hand (independent of apply_chat_template)."""
         text = "".join(f"<s>{m['role']}\n{m['content']}</s>\n" for m in messages) + "<s>assistant\n"
         return self.tok.encode(text, add_special_tokens=False)
+
+
+@contextlib.contextmanager
+def cli_server(model_dir, log_path, *flags: str, env: dict | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`python -m arcserve.cli serve MODEL_DIR --host 127.0.0.1 --port P --dtype float32 FLAGS` in its own
+    process (no API key from the environment; `env` adds variables), output to log_path. Yields
+    (process, base URL) once /health answers; on exit SIGTERM (graceful shutdown), SIGKILL after 20 s."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "arcserve.cli", "serve", str(model_dir), "--host", HOST, "--port", str(port),
+           "--dtype", "float32", *flags]  # fmt: skip
+    env = {**{k: v for k, v in os.environ.items() if k != "ARCSERVE_API_KEY"}, **(env or {})}
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        base = f"http://{HOST}:{port}"
+        wait_for_health(base, 90, lambda: proc.poll() is None)
+        yield proc, base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)

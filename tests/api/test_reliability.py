@@ -16,8 +16,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import defaultdict
@@ -26,7 +24,8 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from .helpers import HOST, MODEL, Server, free_port, serve, wait_for_health
+from . import helpers
+from .helpers import MODEL, Server, serve
 
 WORDS = ["fox", "dog", "Paris", "Berlin", "add", "café", "numbers", "emoji", "quick", "lazy", "capital",
          "1000"]  # fmt: skip
@@ -561,25 +560,11 @@ def child_pids(pid: int) -> list[int]:
 
 @contextlib.contextmanager
 def cli_server(model_dir, log_path, *flags: str):
-    """`python -m arcserve.cli serve` in its own process (the HTTP front) with its engine process."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "arcserve.cli", "serve", str(model_dir), "--host", HOST, "--port", str(port),
-           "--served-model-name", MODEL, "--dtype", "float32", "--log-level", "warning", *flags]  # fmt: skip
-    # one compute thread: the test measures shedding, not speed, and stays steady on a busy machine
-    env = {**{k: v for k, v in os.environ.items() if k != "ARCSERVE_API_KEY"}, "OMP_NUM_THREADS": "1"}
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        base = f"http://{HOST}:{port}"
-        wait_for_health(base, 90, lambda: proc.poll() is None)
+    """The CLI server (helpers.cli_server) named MODEL, warnings only, on one compute thread: the
+    test measures shedding, not speed, and stays steady on a busy machine."""
+    with helpers.cli_server(model_dir, log_path, "--served-model-name", MODEL, "--log-level", "warning", *flags,
+                            env={"OMP_NUM_THREADS": "1"}) as (proc, base):  # fmt: skip
         yield proc, Server(base, MODEL, None, None, None)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 def test_overload_sheds_load_and_recovers(llama_dir, tmp_path):

@@ -3,28 +3,18 @@ served over HTTP gives a sensible chat answer."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 
-from .helpers import HOST, free_port, serve, wait_for_health
+from .helpers import cli_server, serve
 
 
 def test_cli_serve_subprocess(llama_dir, tmp_path):
-    port = free_port()
     log = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "arcserve.cli", "serve", str(llama_dir), "--port", str(port), "--host", HOST,
-           "--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "256", "--log-level", "warning"]  # fmt: skip
-    with open(log, "wb") as out:
-        env = {k: v for k, v in os.environ.items() if k != "ARCSERVE_API_KEY"}  # no key required
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        base = f"http://{HOST}:{port}"
-        wait_for_health(base, 90, lambda: proc.poll() is None)
+    flags = ("--max-model-len", "256", "--num-kv-blocks", "256", "--log-level", "warning")
+    with cli_server(llama_dir, log, *flags) as (proc, base):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
         name = str(llama_dir)  # --served-model-name defaults to the model argument
         assert [m.id for m in client.models.list().data] == [name]
@@ -33,13 +23,6 @@ def test_cli_serve_subprocess(llama_dir, tmp_path):
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
         assert len(r.choices[0].text) > 0
         assert httpx.get(f"{base}/metrics", timeout=10).status_code == 200
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
     text = log.read_text(errors="replace")
     assert proc.returncode == 0 and "Traceback" not in text, (proc.returncode, text)  # graceful SIGTERM
 

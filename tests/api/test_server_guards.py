@@ -4,17 +4,14 @@ asked), CORS off by default and configurable, fault isolation over HTTP, gracefu
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from .helpers import API_KEY, HOST, MODEL, free_port, serve, sse_lines, wait_for_health
+from .helpers import API_KEY, MODEL, cli_server, serve, sse_lines
 
 PARAMS = {"model": MODEL, "max_tokens": 4, "temperature": 0}
 
@@ -122,25 +119,15 @@ def test_a_fault_in_a_step_fails_only_its_request(llama_dir, monkeypatch, proces
         assert httpx.get(f"{s.base}/health", timeout=10).status_code == 200
 
 
-def _start_cli_server(llama_dir, tmp_path, *extra: str):
-    port = free_port()
-    cmd = [sys.executable, "-m", "arcserve.cli", "serve", str(llama_dir), "--port", str(port), "--host", HOST,
-           "--dtype", "float32", "--max-model-len", "16384", "--num-kv-blocks", "1100", "--log-level", "info",
-           "--served-model-name", MODEL, *extra]  # fmt: skip
-    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 (closed by the caller through proc)
-    env = {k: v for k, v in os.environ.items() if k != "ARCSERVE_API_KEY"}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://{HOST}:{port}"
-    wait_for_health(base, 90, lambda: proc.poll() is None)
-    return proc, base, tmp_path / "serve.log"
-
-
 def test_sigterm_drains_then_stops_the_rest_and_exits_0(llama_dir, tmp_path):
     """SIGTERM: the listening socket closes, a short request in flight finishes whole, a long one is
     stopped at --shutdown-timeout with a 503 error event (then [DONE]), and the process exits 0."""
-    proc, base, log = _start_cli_server(llama_dir, tmp_path, "--shutdown-timeout", "5")
+    log = tmp_path / "serve.log"
+    flags = ("--max-model-len", "16384", "--num-kv-blocks", "1100", "--log-level", "info", "--served-model-name", MODEL,
+             "--shutdown-timeout", "5")  # fmt: skip
     results: dict = {}
-    try:
+    with cli_server(llama_dir, log, *flags) as (proc, base):
+
         def stream(key, max_tokens):
             body = {**PARAMS, "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
                     "stream": True}  # fmt: skip
@@ -161,10 +148,6 @@ def test_sigterm_drains_then_stops_the_rest_and_exits_0(llama_dir, tmp_path):
         long.join(timeout=30)
         rc = proc.wait(timeout=30)
         took = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
     text = log.read_text(errors="replace")
     assert rc == 0, (rc, text)
     assert "Traceback" not in text, text

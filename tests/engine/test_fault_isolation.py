@@ -134,10 +134,10 @@ def test_a_failing_proposer_fails_the_requests_it_drafted_for(llama_dir, monkeyp
         engine.add_request(rid, {"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}, params)
     engine.step()  # prefill: nothing proposed yet
 
-    def broken(due):
+    def broken(wanted, running):
         raise RuntimeError("proposer bug")
 
-    monkeypatch.setattr(engine, "_propose", broken)
+    monkeypatch.setattr(engine.proposer, "propose", broken)
     outs, ids, err = step_isolated(engine)
     assert (ids, str(err)) == (["s1", "s2"], "proposer bug")
     assert not engine.has_unfinished_requests() and engine.scheduler.stats().kv_cache_usage == 0.0
