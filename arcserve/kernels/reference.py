@@ -25,29 +25,54 @@ def native_half_matmul(dtype: torch.dtype) -> bool:
     return torch.ops.mkldnn._is_mkldnn_fp16_supported()
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class EmulatedHalfWeight:
+    """bf16/fp16 weights on a CPU without native half-precision products (AVX2-only, e.g. AMD
+    Zen 3), kept two ways, measured on such a CPU (docs/BENCHMARKS.md):
+    - `half`, the checkpoint's tensor, for one-row products: torch's half matrix-vector path
+      streams half the bytes of a float32 one (30 decoder layers of SmolLM2-135M: 13 ms vs 22 ms);
+    - `batched`, a float32 copy in oneDNN's blocked layout (plain float32 without oneDNN), for more
+      rows: torch emulates half matrix products 4-9x slower than float32, and oneDNN's float32
+      product is ~2x F.linear's at 4-64 rows there.
+    Both compute x @ W.T with float32 accumulation, rounded once to the activations' dtype."""
+
+    half: torch.Tensor
+    batched: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.half.shape
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | EmulatedHalfWeight:
     """On CPU, prepare bf16/fp16 weights once for the CPU's fastest matrix product:
     - with native half-precision matmul: reorder into oneDNN's blocked layout (AMX/AVX-512
       friendly): the same results as F.linear, ~1.4x faster for 1 to 64 rows and on par at 512
       (benchmarks/cpu_ops.py, docs/BENCHMARKS.md);
     - without (per dtype: a CPU may have the bf16 path and lack the fp16 one, seen on an AMD EPYC),
-      a float32 copy: linear() multiplies in float32 and rounds the result to the activations'
-      dtype, which is what a half-precision GEMM with float32 accumulation computes, 4-9x faster
-      than torch's emulated bf16 product on an AVX2 CPU at 16-256 rows (docs/BENCHMARKS.md).
+      an EmulatedHalfWeight (the half tensor for one row, a float32 copy for more).
     fp32 weights stay as they are, so fp32 runs remain bit-identical to transformers."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16):
         return weight
     if native_half_matmul(weight.dtype):
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_BATCH_HINT)
-    return weight.float()
+    batched = weight.float().contiguous()
+    if torch.backends.mkldnn.is_available():
+        batched = torch.ops.mkldnn._reorder_linear_weight(batched, _PACK_BATCH_HINT)
+    return EmulatedHalfWeight(weight.contiguous(), batched)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | EmulatedHalfWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x @ weight.T (+ bias), for plain or prepared (pack_linear_weight) weights."""
+    if isinstance(weight, EmulatedHalfWeight):
+        if x.dim() == 2 and x.shape[0] == 1:
+            return F.linear(x, weight.half, bias)
+        y = linear(x.float(), weight.batched, None if bias is None else bias.float())
+        return y.to(x.dtype)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
-    if weight.dtype != x.dtype:  # a float32 copy of half weights (CPU without native half matmul)
-        return F.linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, weight, bias)
 
 
@@ -223,13 +248,18 @@ def paged_attention(
     q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]. Returns [T, heads, head_dim].
     skip_decode leaves the decode tokens' rows unwritten (a caller that computes them itself)."""
     plan = _plan(meta, k_cache.shape[1], sliding_window)
-    out = torch.empty_like(q)
     gqa = q.shape[1] != k_cache.shape[2]
     if plan["decode"] is not None and not skip_decode:
         tok, blocks, mask = plan["decode"]
         kd, vd = _gather(k_cache, blocks), _gather(v_cache, blocks)  # [B, KVH, L, D]
-        o = F.scaled_dot_product_attention(q[tok].unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        qd = q if not plan["prefill"] else q[tok]  # decode-only steps: tokens are the rows, in order
+        o = F.scaled_dot_product_attention(qd.unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        if not plan["prefill"]:
+            return o.squeeze(2)
+        out = torch.empty_like(q)
         out[tok] = o.squeeze(2)
+    else:
+        out = torch.empty_like(q)
     for start, n, ctx, blocks in plan["prefill"]:
         qp = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if blocks is None:
