@@ -7,6 +7,8 @@ gaps do not count), over enough copies of its inputs to miss the L2 cache.
     python benchmarks/gpu_kernels.py attention-sweep   # decode attention over launch settings
     python benchmarks/gpu_kernels.py linear-sweep      # one-row linears: library, matrix-vector
                                                        # kernel over tile settings, fused prologues
+    python benchmarks/gpu_kernels.py gemv-grid         # matrix-vector program shapes, Llama-8B
+    python benchmarks/gpu_kernels.py gemv-candidates   # a few shapes on every one-row matrix
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -126,8 +129,8 @@ def attention_sweep() -> None:
 
 @torch.inference_mode()
 def linear_sweep() -> None:
-    """One-row linears of both models: the library GEMM, the matrix-vector kernel over tile sizes
-    and warp counts, and the fused prologues against the op + library pair they replace."""
+    """One-row linears of both models: the library GEMM, the matrix-vector kernel, and the fused
+    prologues against the op + library pair they replace."""
     bw = measure_ceilings()[0]
     shapes = {"0.6b qkv": (4096, 1024), "0.6b down": (1024, 3072), "0.6b lm_head": (151936, 1024),
               "8b qkv": (6144, 4096), "8b o": (4096, 4096), "8b gate_up": (28672, 4096),
@@ -142,17 +145,8 @@ def linear_sweep() -> None:
         runs = {"library": lambda w: reference.linear(x[:, :k], w),
                 "norm + library": lambda w: reference.linear(triton_ops.fused_add_rms_norm(x[:, :k], r, nw, 1e-6)[0], w),
                 "silu_mul + library": lambda w: reference.linear(triton_ops.silu_and_mul(x), w)}  # fmt: skip
-        shipped = triton_linear._TILE, triton_linear._WARPS
-        try:
-            for tile in (8192, 16384):
-                for warps in (4, 8):
-                    triton_linear._TILE, triton_linear._WARPS = tile, warps
-                    triton_linear._tiles.cache_clear()
-                    t = graph_time([lambda w=w: triton_linear.gemv(x[:, :k], w) for w in ws])
-                    print(f"{name + f' gemv tile {tile} warps {warps}':44s} {t:8.2f} {100 * floor / t:7.0f}%")
-        finally:  # the fused rows below run with the shipped settings
-            triton_linear._TILE, triton_linear._WARPS = shipped
-            triton_linear._tiles.cache_clear()
+        t = graph_time([lambda w=w: triton_linear.gemv(x[:, :k], w) for w in ws])
+        print(f"{name + ' gemv':44s} {t:8.2f} {100 * floor / t:7.0f}%")
         runs["fused norm gemv"] = lambda w: triton_linear._launch(x[:, :k], w, None, triton_linear._ADD_RMS_NORM, k, r, nw, torch.empty_like(r), 1e-6)
         runs["fused silu_mul gemv"] = lambda w: triton_linear._launch(x, w, None, triton_linear._SILU_MUL, k)
         for label, fn in runs.items():
@@ -160,7 +154,84 @@ def linear_sweep() -> None:
             print(f"{name + ' ' + label:44s} {t:8.2f} {100 * floor / t:7.0f}%")
 
 
+@torch.inference_mode()
+def gemv_grid() -> None:
+    """The matrix-vector kernel on Llama-3.1-8B's one-row matrices over program shapes: outputs per
+    program (BLOCK_N) x weight elements per K step x warps, against the shipped choice."""
+    bw = measure_ceilings()[0]
+    shapes = {"8b qkv": (6144, 4096), "8b o": (4096, 4096), "8b gate_up": (28672, 4096), "8b down": (4096, 14336)}
+    shipped, shipped_warps = triton_linear._tiles, triton_linear._WARPS
+    print(f"{'matrix':12s} {'block_n':>7s} {'tile':>6s} {'warps':>5s} {'us':>8s} {'% floor':>8s}")
+    try:
+        for name, (n, k) in shapes.items():
+            ws = copies(lambda n=n, k=k: torch.randn(n, k, device=DEV, dtype=BF16) * 0.02, 2 * n * k)
+            x = torch.randn(1, k, device=DEV, dtype=BF16)
+            floor = 2 * n * k / bw * 1e6
+            triton_linear._tiles, triton_linear._WARPS = shipped, shipped_warps
+            t = graph_time([lambda w=w: triton_linear.gemv(x, w) for w in ws])
+            print(f"{name:12s} {'shipped ' + str(shipped(1, n, k)):>22s} {t:8.2f} {100 * floor / t:7.0f}%")
+            for block_n in (4, 8, 16, 32):
+                for tile in (4096, 8192, 16384):
+                    for warps in (4, 8, 16):
+                        bk = max(16, min(triton.next_power_of_2(k), tile // block_n))
+                        triton_linear._tiles = lambda M, N, K, bn=block_n, bk=bk: (1, bn, bk)
+                        triton_linear._WARPS = warps
+                        try:
+                            t = graph_time([lambda w=w: triton_linear.gemv(x, w) for w in ws])
+                        except Exception as e:  # noqa: BLE001 (a setting the compiler refuses)
+                            print(f"{name:12s} {block_n:7d} {tile:6d} {warps:5d} failed: {type(e).__name__}")
+                            continue
+                        print(f"{name:12s} {block_n:7d} {tile:6d} {warps:5d} {t:8.2f} {100 * floor / t:7.0f}%")
+    finally:
+        triton_linear._tiles, triton_linear._WARPS = shipped, shipped_warps
+
+
+@torch.inference_mode()
+def gemv_candidates() -> None:
+    """A few program shapes (BLOCK_N, BLOCK_K, warps) for the matrix-vector kernel on every one-row
+    matrix of both models, plain and with the fused norm / SiLU-mul prologues, against the shipped
+    rule and the library."""
+    bw = measure_ceilings()[0]
+    shapes = {"0.6b qkv": (4096, 1024), "0.6b o": (1024, 2048), "0.6b gate_up": (6144, 1024),
+              "0.6b down": (1024, 3072), "0.6b lm_head": (151936, 1024), "8b qkv": (6144, 4096),
+              "8b o": (4096, 4096), "8b gate_up": (28672, 4096), "8b down": (4096, 14336),
+              "8b lm_head": (128256, 4096)}  # fmt: skip
+    prologue = {"qkv": triton_linear._ADD_RMS_NORM, "gate_up": triton_linear._ADD_RMS_NORM,
+                "down": triton_linear._SILU_MUL}  # fmt: skip
+    shipped, shipped_warps = triton_linear._tiles, triton_linear._WARPS
+    cands = [None, (4, 1024, 4), (4, 1024, 8), (8, 1024, 4), (4, 4096, 4), (8, 512, 4)]
+    print(f"{'matrix':14s} {'setting':>16s} {'us':>8s} {'% floor':>8s}")
+    try:
+        for name, (n, k) in shapes.items():
+            ws = copies(lambda n=n, k=k: torch.randn(n, k, device=DEV, dtype=BF16) * 0.02, 2 * n * k)
+            x = torch.randn(1, 2 * k, device=DEV, dtype=BF16)
+            r = torch.randn(1, k, device=DEV, dtype=BF16)
+            nw = torch.ones(k, device=DEV, dtype=BF16)
+            ro = torch.empty_like(r)
+            pro = prologue.get(name.split()[1], triton_linear._PLAIN)
+            floor = 2 * n * k / bw * 1e6
+            t = graph_time([lambda w=w: reference.linear(x[:, :k], w) for w in ws])
+            print(f"{name:14s} {'library':>16s} {t:8.2f} {100 * floor / t:7.0f}%")
+            for c in cands:
+                if c is None:
+                    triton_linear._tiles, triton_linear._WARPS, label = shipped, shipped_warps, "shipped"
+                else:
+                    bn, bk, warps = c
+                    triton_linear._tiles = lambda M, N, K, bn=bn, bk=bk: (1, bn, min(bk, triton.next_power_of_2(K)))
+                    triton_linear._WARPS, label = warps, f"{bn}x{bk} w{warps}"
+                t = graph_time([lambda w=w: triton_linear._launch(x[:, :k], w, None, pro, k, r, nw, ro, 1e-6)
+                                if pro == triton_linear._ADD_RMS_NORM else triton_linear._launch(x, w, None, pro, k)
+                                for w in ws])  # fmt: skip
+                print(f"{name:14s} {label:>16s} {t:8.2f} {100 * floor / t:7.0f}%")
+    finally:
+        triton_linear._tiles, triton_linear._WARPS = shipped, shipped_warps
+
+
 def main() -> None:
+    if sys.argv[1:] == ["gemv-candidates"]:
+        return gemv_candidates()
+    if sys.argv[1:] == ["gemv-grid"]:
+        return gemv_grid()
     if sys.argv[1:] == ["attention-sweep"]:
         return attention_sweep()
     if sys.argv[1:] == ["linear-sweep"]:

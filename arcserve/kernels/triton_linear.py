@@ -2,12 +2,12 @@
 
 At one row a linear layer only streams its weight matrix, so its floor is the weight bytes over
 memory bandwidth. The vendor GEMM libraries pick tiles made for large matrices and reach a quarter
-to a half of that bandwidth on Qwen3-0.6B's 2-12 MB matrices. This kernel gives each program a few
-output features and streams their weight rows in wide contiguous tiles, so the whole device is
-reading; on long rows it requests the next tile before it computes with the current one. On the
-H100 it matches or beats the library on every decoder matrix of Qwen3-0.6B and Llama-3.1-8B
-(benchmarks/gpu_kernels.py linear-sweep, docs/BENCHMARKS.md); the LM heads (128-152k outputs) and
-more rows stay with the library.
+to a half of that bandwidth on Qwen3-0.6B's 2-12 MB matrices. This kernel gives each program four
+output features and streams their weight rows in wide contiguous tiles (the whole row at once up to
+4,096 inputs), so many small programs keep the whole device reading; on longer rows it requests the
+next tile before it computes with the current one. On the H100 it matches or beats the library on
+every one-row matrix of Qwen3-0.6B and Llama-3.1-8B, LM heads included (benchmarks/gpu_kernels.py
+gemv-candidates, docs/BENCHMARKS.md); more rows stay with the library.
 
 At one row a decoder layer is a chain of short launches, so the kernel also takes the elementwise
 op before the product as a prologue (every program recomputes it on the fly from the small input
@@ -20,24 +20,27 @@ weight tile while the kernel before it still runs:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from arcserve.kernels import reference, triton_ops
 from arcserve.kernels.triton_ops import wait_prior_kernel
-from arcserve.platform import compute_units, triton_launch_options
+from arcserve.platform import triton_launch_options
 
-# One row, and up to this many outputs: every decoder matrix. Wider ones are LM heads, which the
-# library streams faster (H100: Qwen3-0.6B's 111 against 120 us).
+# One row, and up to this many outputs: every matrix of the models served here, LM heads included
+# (H100, one row: Qwen3-0.6B's 102.6 against the library's 112.8 us, Llama-8B's 331 against 370).
 MAX_ROWS = 1
-MAX_N = 32768
+MAX_N = 1 << 20
 # The fused norm reads its whole input row at once (registers: K / threads floats each).
 NORM_MAX_K = 8192
-_TILE = 8192  # weight elements a program reads per step of the K loop (16 KB in bf16)
-_WARPS = 8  # H100: 4.8 against 5.4 us on Qwen3-0.6B's qkv, even on Llama-8B's matrices
+# Program shape, from a sweep on the H100 (benchmarks/gpu_kernels.py gemv-grid, gemv-candidates):
+# four outputs per program and four warps; rows up to ONE_TILE_MAX_K inputs in one load, longer
+# ones in steps of LOOP_BLOCK_K (the loop's float32 accumulator is BLOCK_N x BLOCK_K per program).
+_BLOCK_N = 4
+ONE_TILE_MAX_K = 4096
+LOOP_BLOCK_K = 1024
+_WARPS = 4
 
 _PLAIN, _ADD_RMS_NORM, _SILU_MUL = 0, 1, 2
 
@@ -112,22 +115,17 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr, M, N, K
     tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-@functools.cache
-def _tiles(M: int, N: int, K: int, units: int) -> tuple[int, int, int]:
-    """(M_PAD, BLOCK_N, BLOCK_K): enough programs for two per compute unit, then the widest K tile."""
-    m_pad = triton.next_power_of_2(M)
-    block_n = 16
-    while block_n > 1 and triton.cdiv(N, block_n) < 2 * units:
-        block_n //= 2
-    block_k = max(16, min(triton.next_power_of_2(K), _TILE // (block_n * m_pad)))
-    return m_pad, block_n, block_k
+def _tiles(M: int, N: int, K: int) -> tuple[int, int, int]:
+    """(M_PAD, BLOCK_N, BLOCK_K) of the launch."""
+    k_pad = max(16, triton.next_power_of_2(K))
+    return triton.next_power_of_2(M), _BLOCK_N, k_pad if k_pad <= ONE_TILE_MAX_K else LOOP_BLOCK_K
 
 
 def _launch(x, weight, bias, prologue: int, K: int, residual=None, norm_weight=None, res_out=None, eps=0.0):
     M, N = x.shape[0], weight.shape[0]
     assert weight.stride(1) == 1 and x.stride(1) == 1 and weight.shape[1] == K
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    m_pad, block_n, block_k = _tiles(M, N, K, compute_units(x.device))
+    m_pad, block_n, block_k = _tiles(M, N, K)
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
         res_out if res_out is not None else y, weight, bias if bias is not None else weight, y, M, N, K,

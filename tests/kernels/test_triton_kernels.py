@@ -87,14 +87,14 @@ def test_silu_and_mul(dtype, rows, inter):
     assert rel_err(triton_ops.silu_and_mul(x), reference.silu_and_mul(x)) < TOL[dtype]
 
 
-# Several K tiles per program (the pipelined loop): (4, 512, 256) in the interpreter; on a GPU, whose
-# many programs take wider tiles, only a long K with many outputs (slow in the interpreter: GPU only).
+# Rows longer than triton_linear.ONE_TILE_MAX_K take several K tiles per program (the pipelined loop):
+# few outputs in the interpreter, many outputs on a GPU only (slow in the interpreter).
 LONG_K = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k", [(1, 1, 64), (1, 1000, 100), (2, 7, 1024), (3, 300, 96), (4, 512, 256),
-                                   pytest.param(1, 4096, 2500, marks=LONG_K)])  # fmt: skip
+                                   (1, 9, 4500), pytest.param(1, 4096, 5000, marks=LONG_K)])  # fmt: skip
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_matches_linear(dtype, m, n, k, bias):
     x = rand(m, k + 8, dtype=dtype)[:, 3 : 3 + k]  # rows with a stride, as views of wider tensors are
@@ -110,7 +110,8 @@ def test_gemv_matches_linear(dtype, m, n, k, bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,n,k", [(1, 1000, 100), (1, 96, 1024), (2, 300, 96), pytest.param(1, 4096, 3000, marks=LONG_K)])
+@pytest.mark.parametrize("m,n,k", [(1, 1000, 100), (1, 96, 1024), (2, 300, 96), (1, 6, 5000),
+                                   pytest.param(1, 4096, 6000, marks=LONG_K)])  # fmt: skip
 @pytest.mark.parametrize("first_layer", [False, True])
 def test_add_rms_norm_linear_fused(dtype, m, n, k, first_layer):
     """Residual add + RMSNorm fused into the matrix-vector kernel: the unfused composition's result and
@@ -129,7 +130,8 @@ def test_add_rms_norm_linear_fused(dtype, m, n, k, first_layer):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,n,inter", [(1, 64, 1536), (1, 1000, 100), (2, 33, 256), pytest.param(1, 4096, 2100, marks=LONG_K)])
+@pytest.mark.parametrize("m,n,inter", [(1, 64, 1536), (1, 1000, 100), (2, 33, 256), (1, 7, 4400),
+                                       pytest.param(1, 4096, 5100, marks=LONG_K)])  # fmt: skip
 def test_silu_mul_linear_fused(dtype, m, n, inter):
     x = rand(m, 2 * inter, dtype=dtype)
     w, b = rand(n, inter, dtype=dtype, scale=0.1), rand(n, dtype=dtype)
@@ -378,3 +380,10 @@ def test_qkv_prepare_fused_norm_rope_store(dtype, norm, neox, nq, nkv, head_dim,
     assert rel_err(q[keep], rq) < TOL[dtype] and rel_err(k[keep], rk) < TOL[dtype]
     assert torch.equal(v[keep], rv)
     assert rel_err(kc, kc2) < TOL[dtype] and torch.equal(vc, vc2)
+
+
+def test_gemv_program_shape_takes_whole_rows_up_to_the_one_tile_limit():
+    """The cases above cover both kernel paths: one load per row up to ONE_TILE_MAX_K, the K loop past it."""
+    limit = triton_linear.ONE_TILE_MAX_K
+    assert triton_linear._tiles(1, 9, limit)[2] >= limit
+    assert triton_linear._tiles(1, 9, 4500)[2] < 4500 and triton_linear._tiles(1, 7, 4400)[2] < 4400
