@@ -7,12 +7,20 @@ k/v are [T, num_kv_heads, head_dim]; a layer's KV cache is k_cache/v_cache of sh
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from arcserve.platform import host_memory
+
+log = logging.getLogger("arcserve")
+
 _PACK_BATCH_HINT = 64  # oneDNN layout tuned for ~64 rows; measured best from 1 to 2048 rows
+# Float32 copies of half weights (CPUs without native half products) are made only while this share
+# of the host's memory stays available; past it, layers keep their half weights alone.
+FLOAT_COPY_RESERVE = 0.25
 
 
 def native_half_matmul(dtype: torch.dtype) -> bool:
@@ -34,10 +42,11 @@ class EmulatedHalfWeight:
     - `batched`, a float32 copy in oneDNN's blocked layout (plain float32 without oneDNN), for more
       rows: torch emulates half matrix products 4-9x slower than float32, and oneDNN's float32
       product is ~2x F.linear's at 4-64 rows there.
-    Both compute x @ W.T with float32 accumulation, rounded once to the activations' dtype."""
+    Both compute x @ W.T with float32 accumulation, rounded once to the activations' dtype.
+    `batched` is None when memory was short for the copy: every product then takes `half`."""
 
     half: torch.Tensor
-    batched: torch.Tensor
+    batched: torch.Tensor | None
 
     @property
     def shape(self) -> torch.Size:
@@ -50,12 +59,20 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | EmulatedHalfWeigh
       friendly): the same results as F.linear, ~1.4x faster for 1 to 64 rows and on par at 512
       (benchmarks/cpu_ops.py, docs/BENCHMARKS.md);
     - without (per dtype: a CPU may have the bf16 path and lack the fp16 one, seen on an AMD EPYC),
-      an EmulatedHalfWeight (the half tensor for one row, a float32 copy for more).
+      an EmulatedHalfWeight (the half tensor for one row, a float32 copy for more, while the host
+      has memory for it: FLOAT_COPY_RESERVE).
     fp32 weights stay as they are, so fp32 runs remain bit-identical to transformers."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16):
         return weight
     if native_half_matmul(weight.dtype):
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_BATCH_HINT)
+    available, total = host_memory()
+    if available - 4 * weight.numel() < FLOAT_COPY_RESERVE * total:
+        if not getattr(pack_linear_weight, "warned", False):
+            pack_linear_weight.warned = True
+            log.warning("host memory is short for float32 copies of the %s weights: some layers keep "
+                        "only their %s weights and multiply more than one row slowly", weight.dtype, weight.dtype)  # fmt: skip
+        return EmulatedHalfWeight(weight.contiguous(), None)
     batched = weight.float().contiguous()
     if torch.backends.mkldnn.is_available():
         batched = torch.ops.mkldnn._reorder_linear_weight(batched, _PACK_BATCH_HINT)
@@ -67,7 +84,7 @@ def linear(
 ) -> torch.Tensor:
     """x @ weight.T (+ bias), for plain or prepared (pack_linear_weight) weights."""
     if isinstance(weight, EmulatedHalfWeight):
-        if x.dim() == 2 and x.shape[0] == 1:
+        if weight.batched is None or (x.dim() == 2 and x.shape[0] == 1):
             return F.linear(x, weight.half, bias)
         y = linear(x.float(), weight.batched, None if bias is None else bias.float())
         return y.to(x.dtype)

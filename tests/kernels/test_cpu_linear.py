@@ -44,3 +44,24 @@ def test_prepared_half_weights_compute_the_same_product(monkeypatch, native, dty
 def test_float32_weights_are_left_alone():
     w = torch.randn(8, 4)
     assert reference.pack_linear_weight(w) is w
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_short_host_memory_keeps_the_half_weights_alone(monkeypatch, dtype):
+    """Without native half products and without room for a float32 copy (FLOAT_COPY_RESERVE of the
+    host's memory must stay available), a layer keeps its half weights and multiplies every row
+    count with them: the same product, rounded once."""
+    monkeypatch.setattr(reference, "native_half_matmul", lambda _dtype: False)
+    monkeypatch.setattr(reference, "host_memory", lambda: (10 << 20, 100 << 20))  # 10% available
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(40, 32, generator=g) / 8).to(dtype)
+    packed = reference.pack_linear_weight(w)
+    assert isinstance(packed, reference.EmulatedHalfWeight) and packed.batched is None
+    assert torch.equal(packed.half, w)
+    for rows in (1, 5):
+        x = torch.randn(rows, 32, generator=g).to(dtype)
+        got = reference.linear(x, packed)
+        assert got.dtype == dtype
+        assert torch.allclose(got.float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)
+    monkeypatch.setattr(reference, "host_memory", lambda: (90 << 20, 100 << 20))  # room again
+    assert reference.pack_linear_weight(w).batched is not None
