@@ -21,6 +21,7 @@ _PACK_BATCH_HINT = 64  # oneDNN layout tuned for ~64 rows; measured best from 1 
 # Float32 copies of half weights (CPUs without native half products) are made only while this share
 # of the host's memory stays available; past it, layers keep their half weights alone.
 FLOAT_COPY_RESERVE = 0.25
+_warned_short_memory = False
 
 
 def native_half_matmul(dtype: torch.dtype) -> bool:
@@ -68,8 +69,9 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | EmulatedHalfWeigh
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_BATCH_HINT)
     available, total = host_memory()
     if available - 4 * weight.numel() < FLOAT_COPY_RESERVE * total:
-        if not getattr(pack_linear_weight, "warned", False):
-            pack_linear_weight.warned = True
+        global _warned_short_memory
+        if not _warned_short_memory:
+            _warned_short_memory = True
             log.warning("host memory is short for float32 copies of the %s weights: some layers keep "
                         "only their %s weights and multiply more than one row slowly", weight.dtype, weight.dtype)  # fmt: skip
         return EmulatedHalfWeight(weight.contiguous(), None)
