@@ -174,7 +174,7 @@ def gemv_grid() -> None:
                 for tile in (4096, 8192, 16384):
                     for warps in (4, 8, 16):
                         bk = max(16, min(triton.next_power_of_2(k), tile // block_n))
-                        triton_linear._tiles = lambda M, N, K, bn=block_n, bk=bk: (1, bn, bk)
+                        triton_linear._tiles = lambda M, N, K, interpreted=False, bn=block_n, bk=bk: (1, bn, bk)
                         triton_linear._WARPS = warps
                         try:
                             t = graph_time([lambda w=w: triton_linear.gemv(x, w) for w in ws])
@@ -217,7 +217,7 @@ def gemv_candidates() -> None:
                     triton_linear._tiles, triton_linear._WARPS, label = shipped, shipped_warps, "shipped"
                 else:
                     bn, bk, warps = c
-                    triton_linear._tiles = lambda M, N, K, bn=bn, bk=bk: (1, bn, min(bk, triton.next_power_of_2(K)))
+                    triton_linear._tiles = lambda M, N, K, interpreted=False, bn=bn, bk=bk: (1, bn, min(bk, triton.next_power_of_2(K)))
                     triton_linear._WARPS, label = warps, f"{bn}x{bk} w{warps}"
                 t = graph_time([lambda w=w: triton_linear._launch(x[:, :k], w, None, pro, k, r, nw, ro, 1e-6)
                                 if pro == triton_linear._ADD_RMS_NORM else triton_linear._launch(x, w, None, pro, k)
