@@ -13,6 +13,7 @@ gaps do not count), over enough copies of its inputs to miss the L2 cache.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -127,111 +128,96 @@ def attention_sweep() -> None:
                         print(f"{batch:5d} {ctx:6d} {splits:6d} {block_n:7d} {warps:5d} {stages:6d} {us:8.2f} {100 * floor / us:5.0f}%")
 
 
+# One-row matrices of both models: (outputs, inputs); LM heads are the tied / untied vocabularies.
+ONE_ROW_SHAPES = {"0.6b qkv": (4096, 1024), "0.6b o": (1024, 2048), "0.6b gate_up": (6144, 1024),
+                  "0.6b down": (1024, 3072), "0.6b lm_head": (151936, 1024), "8b qkv": (6144, 4096),
+                  "8b o": (4096, 4096), "8b gate_up": (28672, 4096), "8b down": (4096, 14336),
+                  "8b lm_head": (128256, 4096)}  # fmt: skip
+
+
+def one_row_inputs(n: int, k: int, bw: float):
+    """Rotated weight copies, an input row twice as wide (the SiLU-mul prologue reads gate | up), a
+    residual, norm weights, and the matrix's floor in us."""
+    ws = copies(lambda: torch.randn(n, k, device=DEV, dtype=BF16) * 0.02, 2 * n * k)
+    x = torch.randn(1, 2 * k, device=DEV, dtype=BF16)
+    r = torch.randn(1, k, device=DEV, dtype=BF16)
+    return ws, x, r, torch.ones(k, device=DEV, dtype=BF16), 2 * n * k / bw * 1e6
+
+
 @torch.inference_mode()
 def linear_sweep() -> None:
     """One-row linears of both models: the library GEMM, the matrix-vector kernel, and the fused
     prologues against the op + library pair they replace."""
     bw = measure_ceilings()[0]
-    shapes = {"0.6b qkv": (4096, 1024), "0.6b down": (1024, 3072), "0.6b lm_head": (151936, 1024),
-              "8b qkv": (6144, 4096), "8b o": (4096, 4096), "8b gate_up": (28672, 4096),
-              "8b down": (4096, 14336), "8b lm_head": (128256, 4096)}  # fmt: skip
     print(f"{'linear, 1 row':44s} {'us':>8s} {'% floor':>8s}")
-    for name, (n, k) in shapes.items():
-        ws = copies(lambda n=n, k=k: torch.randn(n, k, device=DEV, dtype=BF16) * 0.02, 2 * n * k)
-        x = torch.randn(1, 2 * k, device=DEV, dtype=BF16)
-        r = torch.randn(1, k, device=DEV, dtype=BF16)
-        nw = torch.ones(k, device=DEV, dtype=BF16)
-        floor = 2 * n * k / bw * 1e6
-        runs = {"library": lambda w: reference.linear(x[:, :k], w),
+    for name, (n, k) in ONE_ROW_SHAPES.items():
+        ws, x, r, nw, floor = one_row_inputs(n, k, bw)
+        runs = {"gemv": lambda w: triton_linear.gemv(x[:, :k], w),
+                "library": lambda w: reference.linear(x[:, :k], w),
                 "norm + library": lambda w: reference.linear(triton_ops.fused_add_rms_norm(x[:, :k], r, nw, 1e-6)[0], w),
-                "silu_mul + library": lambda w: reference.linear(triton_ops.silu_and_mul(x), w)}  # fmt: skip
-        t = graph_time([lambda w=w: triton_linear.gemv(x[:, :k], w) for w in ws])
-        print(f"{name + ' gemv':44s} {t:8.2f} {100 * floor / t:7.0f}%")
-        runs["fused norm gemv"] = lambda w: triton_linear._launch(x[:, :k], w, None, triton_linear._ADD_RMS_NORM, k, r, nw, torch.empty_like(r), 1e-6)
-        runs["fused silu_mul gemv"] = lambda w: triton_linear._launch(x, w, None, triton_linear._SILU_MUL, k)
+                "silu_mul + library": lambda w: reference.linear(triton_ops.silu_and_mul(x), w),
+                "fused norm gemv": lambda w: triton_linear._launch(x[:, :k], w, None, triton_linear._ADD_RMS_NORM, k, r, nw, torch.empty_like(r), 1e-6),
+                "fused silu_mul gemv": lambda w: triton_linear._launch(x, w, None, triton_linear._SILU_MUL, k)}  # fmt: skip
         for label, fn in runs.items():
             t = graph_time([lambda w=w: fn(w) for w in ws])
             print(f"{name + ' ' + label:44s} {t:8.2f} {100 * floor / t:7.0f}%")
 
 
-@torch.inference_mode()
-def gemv_grid() -> None:
-    """The matrix-vector kernel on Llama-3.1-8B's one-row matrices over program shapes: outputs per
-    program (BLOCK_N) x weight elements per K step x warps, against the shipped choice."""
-    bw = measure_ceilings()[0]
-    shapes = {"8b qkv": (6144, 4096), "8b o": (4096, 4096), "8b gate_up": (28672, 4096), "8b down": (4096, 14336)}
-    shipped, shipped_warps = triton_linear._tiles, triton_linear._WARPS
-    print(f"{'matrix':12s} {'block_n':>7s} {'tile':>6s} {'warps':>5s} {'us':>8s} {'% floor':>8s}")
+# Program shapes (BLOCK_N, BLOCK_K, warps) of the matrix-vector kernel: a grid on Llama-8B's decoder
+# matrices (no prologue), and a few candidates on every matrix with its prologue.
+GEMV_GRID = [(bn, max(16, tile // bn), warps) for bn in (4, 8, 16, 32) for tile in (4096, 8192, 16384)
+             for warps in (4, 8, 16)]  # fmt: skip
+GEMV_CANDIDATES = [(4, 1024, 4), (4, 1024, 8), (8, 1024, 4), (4, 4096, 4), (8, 512, 4)]
+
+
+@contextlib.contextmanager
+def gemv_setting(block_n: int, block_k: int, warps: int):
+    """The matrix-vector kernel launched with this program shape (BLOCK_K capped at the row)."""
+    shipped = triton_linear._tiles, triton_linear._WARPS
+    triton_linear._tiles = lambda M, N, K, interpreted=False: (1, block_n, min(block_k, triton.next_power_of_2(K)))
+    triton_linear._WARPS = warps
     try:
-        for name, (n, k) in shapes.items():
-            ws = copies(lambda n=n, k=k: torch.randn(n, k, device=DEV, dtype=BF16) * 0.02, 2 * n * k)
-            x = torch.randn(1, k, device=DEV, dtype=BF16)
-            floor = 2 * n * k / bw * 1e6
-            triton_linear._tiles, triton_linear._WARPS = shipped, shipped_warps
-            t = graph_time([lambda w=w: triton_linear.gemv(x, w) for w in ws])
-            print(f"{name:12s} {'shipped ' + str(shipped(1, n, k)):>22s} {t:8.2f} {100 * floor / t:7.0f}%")
-            for block_n in (4, 8, 16, 32):
-                for tile in (4096, 8192, 16384):
-                    for warps in (4, 8, 16):
-                        bk = max(16, min(triton.next_power_of_2(k), tile // block_n))
-                        triton_linear._tiles = lambda M, N, K, interpreted=False, bn=block_n, bk=bk: (1, bn, bk)
-                        triton_linear._WARPS = warps
-                        try:
-                            t = graph_time([lambda w=w: triton_linear.gemv(x, w) for w in ws])
-                        except Exception as e:  # noqa: BLE001 (a setting the compiler refuses)
-                            print(f"{name:12s} {block_n:7d} {tile:6d} {warps:5d} failed: {type(e).__name__}")
-                            continue
-                        print(f"{name:12s} {block_n:7d} {tile:6d} {warps:5d} {t:8.2f} {100 * floor / t:7.0f}%")
+        yield
     finally:
-        triton_linear._tiles, triton_linear._WARPS = shipped, shipped_warps
+        triton_linear._tiles, triton_linear._WARPS = shipped
 
 
 @torch.inference_mode()
-def gemv_candidates() -> None:
-    """A few program shapes (BLOCK_N, BLOCK_K, warps) for the matrix-vector kernel on every one-row
-    matrix of both models, plain and with the fused norm / SiLU-mul prologues, against the shipped
-    rule and the library."""
+def gemv_sweep(grid: bool) -> None:
+    """The shipped program shape, then each setting (GEMV_GRID or GEMV_CANDIDATES); the candidates
+    run with the prologue each matrix takes in the model (norm before qkv and gate_up, SiLU-mul
+    before down) and beside the library."""
     bw = measure_ceilings()[0]
-    shapes = {"0.6b qkv": (4096, 1024), "0.6b o": (1024, 2048), "0.6b gate_up": (6144, 1024),
-              "0.6b down": (1024, 3072), "0.6b lm_head": (151936, 1024), "8b qkv": (6144, 4096),
-              "8b o": (4096, 4096), "8b gate_up": (28672, 4096), "8b down": (4096, 14336),
-              "8b lm_head": (128256, 4096)}  # fmt: skip
-    prologue = {"qkv": triton_linear._ADD_RMS_NORM, "gate_up": triton_linear._ADD_RMS_NORM,
-                "down": triton_linear._SILU_MUL}  # fmt: skip
-    shipped, shipped_warps = triton_linear._tiles, triton_linear._WARPS
-    cands = [None, (4, 1024, 4), (4, 1024, 8), (8, 1024, 4), (4, 4096, 4), (8, 512, 4)]
+    prologue = {} if grid else {"qkv": triton_linear._ADD_RMS_NORM, "gate_up": triton_linear._ADD_RMS_NORM,
+                                "down": triton_linear._SILU_MUL}  # fmt: skip
+    shapes = {k: v for k, v in ONE_ROW_SHAPES.items() if not grid or (k.startswith("8b") and "lm_head" not in k)}
     print(f"{'matrix':14s} {'setting':>16s} {'us':>8s} {'% floor':>8s}")
-    try:
-        for name, (n, k) in shapes.items():
-            ws = copies(lambda n=n, k=k: torch.randn(n, k, device=DEV, dtype=BF16) * 0.02, 2 * n * k)
-            x = torch.randn(1, 2 * k, device=DEV, dtype=BF16)
-            r = torch.randn(1, k, device=DEV, dtype=BF16)
-            nw = torch.ones(k, device=DEV, dtype=BF16)
-            ro = torch.empty_like(r)
-            pro = prologue.get(name.split()[1], triton_linear._PLAIN)
-            floor = 2 * n * k / bw * 1e6
+    for name, (n, k) in shapes.items():
+        ws, x, r, nw, floor = one_row_inputs(n, k, bw)
+        pro = prologue.get(name.split()[1], triton_linear._PLAIN)
+        if pro == triton_linear._ADD_RMS_NORM:
+            fns = [lambda w=w: triton_linear._launch(x[:, :k], w, None, pro, k, r, nw, torch.empty_like(r), 1e-6) for w in ws]
+        else:
+            fns = [lambda w=w: triton_linear._launch(x if pro else x[:, :k], w, None, pro, k) for w in ws]
+        if not grid:
             t = graph_time([lambda w=w: reference.linear(x[:, :k], w) for w in ws])
             print(f"{name:14s} {'library':>16s} {t:8.2f} {100 * floor / t:7.0f}%")
-            for c in cands:
-                if c is None:
-                    triton_linear._tiles, triton_linear._WARPS, label = shipped, shipped_warps, "shipped"
-                else:
-                    bn, bk, warps = c
-                    triton_linear._tiles = lambda M, N, K, interpreted=False, bn=bn, bk=bk: (1, bn, min(bk, triton.next_power_of_2(K)))
-                    triton_linear._WARPS, label = warps, f"{bn}x{bk} w{warps}"
-                t = graph_time([lambda w=w: triton_linear._launch(x[:, :k], w, None, pro, k, r, nw, ro, 1e-6)
-                                if pro == triton_linear._ADD_RMS_NORM else triton_linear._launch(x, w, None, pro, k)
-                                for w in ws])  # fmt: skip
-                print(f"{name:14s} {label:>16s} {t:8.2f} {100 * floor / t:7.0f}%")
-    finally:
-        triton_linear._tiles, triton_linear._WARPS = shipped, shipped_warps
+        t = graph_time(fns)
+        print(f"{name:14s} {'shipped':>16s} {t:8.2f} {100 * floor / t:7.0f}%")
+        for bn, bk, warps in GEMV_GRID if grid else GEMV_CANDIDATES:
+            label = f"{bn}x{bk} w{warps}"
+            try:
+                with gemv_setting(bn, bk, warps):
+                    t = graph_time(fns)
+            except Exception as e:  # noqa: BLE001 (a setting the compiler refuses)
+                print(f"{name:14s} {label:>16s} failed: {type(e).__name__}")
+                continue
+            print(f"{name:14s} {label:>16s} {t:8.2f} {100 * floor / t:7.0f}%")
 
 
 def main() -> None:
-    if sys.argv[1:] == ["gemv-candidates"]:
-        return gemv_candidates()
-    if sys.argv[1:] == ["gemv-grid"]:
-        return gemv_grid()
+    if sys.argv[1:] in (["gemv-grid"], ["gemv-candidates"]):
+        return gemv_sweep(grid=sys.argv[1] == "gemv-grid")
     if sys.argv[1:] == ["attention-sweep"]:
         return attention_sweep()
     if sys.argv[1:] == ["linear-sweep"]:

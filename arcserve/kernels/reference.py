@@ -49,10 +49,6 @@ class EmulatedHalfWeight:
     half: torch.Tensor
     batched: torch.Tensor | None
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.half.shape
-
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | EmulatedHalfWeight:
     """On CPU, prepare bf16/fp16 weights once for the CPU's fastest matrix product:
@@ -268,17 +264,17 @@ def paged_attention(
     skip_decode leaves the decode tokens' rows unwritten (a caller that computes them itself)."""
     plan = _plan(meta, k_cache.shape[1], sliding_window)
     gqa = q.shape[1] != k_cache.shape[2]
-    if plan["decode"] is not None and not skip_decode:
-        tok, blocks, mask = plan["decode"]
+    decode = None if skip_decode else plan["decode"]
+    if decode is not None:
+        tok, blocks, mask = decode
         kd, vd = _gather(k_cache, blocks), _gather(v_cache, blocks)  # [B, KVH, L, D]
         qd = q if not plan["prefill"] else q[tok]  # decode-only steps: tokens are the rows, in order
         o = F.scaled_dot_product_attention(qd.unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa)
         if not plan["prefill"]:
             return o.squeeze(2)
-        out = torch.empty_like(q)
+    out = torch.empty_like(q)
+    if decode is not None:
         out[tok] = o.squeeze(2)
-    else:
-        out = torch.empty_like(q)
     for start, n, ctx, blocks in plan["prefill"]:
         qp = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if blocks is None:

@@ -20,6 +20,8 @@ weight tile while the kernel before it still runs:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -118,6 +120,7 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr, M, N, K
     tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@functools.cache
 def _tiles(M: int, N: int, K: int, interpreted: bool = False) -> tuple[int, int, int]:
     """(M_PAD, BLOCK_N, BLOCK_K) of the launch."""
     k_pad = max(16, triton.next_power_of_2(K))
