@@ -6,7 +6,7 @@ gaps do not count), over enough copies of its inputs to miss the L2 cache.
     python benchmarks/gpu_kernels.py            # prints one table: us, floor us, % of floor
     python benchmarks/gpu_kernels.py attention-sweep   # decode attention over launch settings
     python benchmarks/gpu_kernels.py linear-sweep      # one-row linears: library, matrix-vector
-                                                       # kernel over tile settings, fused prologues
+                                                       # kernel, fused prologues
     python benchmarks/gpu_kernels.py gemv-grid         # matrix-vector program shapes, Llama-8B
     python benchmarks/gpu_kernels.py gemv-candidates   # a few shapes on every one-row matrix
 """
