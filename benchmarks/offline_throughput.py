@@ -6,6 +6,7 @@ three runs).
 
     python benchmarks/offline_throughput.py --model DIR                 # arcserve only
     python benchmarks/offline_throughput.py --model DIR --vllm-python /path/to/venv/bin/python
+    python benchmarks/offline_throughput.py --model DIR --vllm-python PY --single-only --rounds 3
 
 Each engine runs in its own subprocess (one after the other, never at the same time); this file
 imports neither engine at the top so the vLLM venv can run it too.
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -52,13 +54,19 @@ def run_engine(a: argparse.Namespace) -> dict:
     # Warm-up (both engines): a few requests of the same kind.
     llm.generate([{"prompt_token_ids": p} for p, _ in reqs[:4]], [params(16)] * 4, use_tqdm=False)
 
-    prompts = [{"prompt_token_ids": p} for p, _ in reqs]
-    t = time.perf_counter()
-    outs = llm.generate(prompts, [params(o) for _, o in reqs], use_tqdm=False)
-    elapsed = time.perf_counter() - t
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert out_tokens == sum(o for _, o in reqs), "every request must produce exactly max_tokens"
-    in_tokens = sum(len(p) for p, _ in reqs)
+    result = {"engine": a.engine, "startup_s": round(startup, 1)}
+    if not a.single_only:
+        prompts = [{"prompt_token_ids": p} for p, _ in reqs]
+        t = time.perf_counter()
+        outs = llm.generate(prompts, [params(o) for _, o in reqs], use_tqdm=False)
+        elapsed = time.perf_counter() - t
+        out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert out_tokens == sum(o for _, o in reqs), "every request must produce exactly max_tokens"
+        in_tokens = sum(len(p) for p, _ in reqs)
+        result.update(
+            requests=len(reqs), input_tokens=in_tokens, output_tokens=out_tokens, elapsed_s=round(elapsed, 2),
+            output_tok_s=round(out_tokens / elapsed, 1), total_tok_s=round((in_tokens + out_tokens) / elapsed, 1),
+        )  # fmt: skip
 
     rng = random.Random(a.seed + 1)
     single = {"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range(32)]}
@@ -70,18 +78,8 @@ def run_engine(a: argparse.Namespace) -> dict:
         took.append(time.perf_counter() - t)
         assert len(o.outputs[0].token_ids) == 128
     single_s = sorted(took)[1]
-    return {
-        "engine": a.engine,
-        "startup_s": round(startup, 1),
-        "requests": len(reqs),
-        "input_tokens": in_tokens,
-        "output_tokens": out_tokens,
-        "elapsed_s": round(elapsed, 2),
-        "output_tok_s": round(out_tokens / elapsed, 1),
-        "total_tok_s": round((in_tokens + out_tokens) / elapsed, 1),
-        "single_tok_s": round(128 / single_s, 1),
-        "single_ms_per_tok": round(single_s / 128 * 1000, 2),
-    }
+    result.update(single_tok_s=round(128 / single_s, 1), single_ms_per_tok=round(single_s / 128 * 1000, 2))
+    return result
 
 
 def main() -> None:
@@ -96,6 +94,10 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="arcserve only")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vLLM: run it too")
     p.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager=True")
+    p.add_argument("--single-only", action="store_true", help="only the single-request decode")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the engines this many times, alternating (arcserve, vLLM, arcserve, ...): "
+                        "on a VM whose speed drifts, compare the medians")  # fmt: skip
     p.add_argument("--engine", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.engine:  # child process
@@ -103,7 +105,7 @@ def main() -> None:
         return
     results = []
     runs = [("arcserve", sys.executable)] + ([("vllm", a.vllm_python)] if a.vllm_python else [])
-    for engine, python in runs:
+    for engine, python in runs * a.rounds:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         cmd = [python, os.path.abspath(__file__), *sys.argv[1:], "--engine", engine]
@@ -114,15 +116,17 @@ def main() -> None:
             sys.exit(1)
         results.append(json.loads(line[7:]))
     keys = ["engine", "startup_s", "elapsed_s", "output_tok_s", "total_tok_s", "single_tok_s", "single_ms_per_tok"]
+    keys = [k for k in keys if k in results[0]]
     print(" | ".join(f"{k:>17}" for k in keys))
     for res in results:
         print(" | ".join(f"{res[k]!s:>17}" for k in keys))
-    if len(results) == 2:
-        a_, v = results
-        print(
-            f"arcserve/vllm: throughput {a_['output_tok_s'] / v['output_tok_s']:.2f}x, "
-            f"single decode {a_['single_tok_s'] / v['single_tok_s']:.2f}x"
-        )
+    if a.vllm_python:
+        def median(engine: str, key: str) -> float:
+            return statistics.median(r[key] for r in results if r["engine"] == engine)
+
+        ratios = [(k, name) for k, name in (("output_tok_s", "throughput"), ("single_tok_s", "single decode")) if k in keys]
+        print("arcserve/vllm" + (f" (medians of {a.rounds} rounds)" if a.rounds > 1 else "") + ": " + ", ".join(
+            f"{name} {median('arcserve', k) / median('vllm', k):.2f}x" for k, name in ratios))  # fmt: skip
     print(json.dumps(results))
 
 

@@ -10,6 +10,10 @@ refilled by moving the last row into it), so every layer runs one SDPA over a pl
 The paged cache stays the source of truth (prefix caching, preemption); the mirror is a cache of it,
 bounded by `max_bytes` (beyond that, decode falls back to gathering). Prefill chunks use the
 reference path.
+
+On CPUs without native half-precision products (AVX2-only), a bf16/fp16 cache gets a float32 mirror:
+torch emulates half attention there (SDPA at one query over 100 positions, SmolLM2's heads: ~150 us
+in bf16, ~35 us in float32), so the mirror then pays for itself from the first decode step.
 """
 
 from __future__ import annotations
@@ -23,14 +27,19 @@ from arcserve.kernels.reference import AttentionMetadata
 
 _GROW = 128  # capacity granularity in tokens
 # Below this many context tokens across the step's decoders, gathering is cheaper than the mirror's
-# bookkeeping (measured on SmolLM2: single short decodes ran ~10% slower through the mirror).
+# bookkeeping when the mirror keeps the cache's dtype (measured on SmolLM2: single short decodes ran
+# ~10% slower through the mirror). A float32 mirror of a half cache is used at any context.
 MIN_MIRROR_CONTEXT = 1024
 
 
 class DecodeMirror:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype, device, max_bytes: int) -> None:
         self.shape = (num_layers, kv_heads, head_dim)
-        self.dtype, self.device, self.max_bytes = dtype, device, max_bytes
+        half = dtype in (torch.float16, torch.bfloat16)
+        self.upcast = half and not reference.native_half_matmul(dtype)  # float32 mirror (see above)
+        self.dtype = torch.float32 if self.upcast else dtype
+        self.device, self.max_bytes = device, max_bytes
+        self.min_context = 0 if self.upcast else MIN_MIRROR_CONTEXT
         self.k: torch.Tensor | None = None  # [layers, rows, kvh, cap, hd]
         self.v: torch.Tensor | None = None
         self.ids: list[int] = []  # seq id held by each row
@@ -109,22 +118,27 @@ class DecodeMirror:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache, v_cache,
                plan: dict, scale: float) -> torch.Tensor:  # fmt: skip
-        """Attention of the decode tokens, in row order (plan["tok"][r] is row r's token)."""
-        tok, pos, fill = plan["tok"], plan["pos"], plan["fill"]
+        """Attention of the decode tokens, in row order (plan["tok"][r] is row r's token), in q's
+        dtype. plan["tok"] is None when the decode tokens are the step's tokens in row order."""
+        tok, fill = plan["tok"], plan["fill"]
         K, V = self.k[layer], self.v[layer]
         if fill is not None:  # new decoders: copy their context from the paged cache, once
             fill_rows, blocks, n = fill
-            K[fill_rows, :, :n] = reference._gather(k_cache, blocks)[:, :, :n]
-            V[fill_rows, :, :n] = reference._gather(v_cache, blocks)[:, :, :n]
-        rows = plan["row_ids"]
-        K[rows, :, pos] = k[tok]  # this step's token
-        V[rows, :, pos] = v[tok]
-        n, L = len(rows), plan["max_len"]
+            K[fill_rows, :, :n] = reference._gather(k_cache, blocks)[:, :, :n].to(K.dtype)
+            V[fill_rows, :, :n] = reference._gather(v_cache, blocks)[:, :, :n].to(V.dtype)
+        if tok is not None:
+            q, k, v = q[tok], k[tok], v[tok]
+        # This step's token of each row: one index_copy_ per buffer at flat (row, head, pos) offsets.
+        hd = K.shape[-1]
+        K.view(-1, hd).index_copy_(0, plan["slots"], k.to(K.dtype).reshape(-1, hd))
+        V.view(-1, hd).index_copy_(0, plan["slots"], v.to(V.dtype).reshape(-1, hd))
+        (n, heads, hd), kvh, L = q.shape, K.shape[1], plan["max_len"]
+        # The query heads sharing a KV head ride as its query rows (no mask among them): one
+        # plain SDPA, cheaper than its GQA form on the CPU.
         o = F.scaled_dot_product_attention(
-            q[tok].unsqueeze(2), K[:n, :, :L], V[:n, :, :L], attn_mask=plan["mask"], scale=scale,
-            enable_gqa=q.shape[1] != K.shape[1],
+            q.view(n, kvh, heads // kvh, hd).to(K.dtype), K[:n, :, :L], V[:n, :, :L], attn_mask=plan["mask"], scale=scale
         )  # fmt: skip
-        return o.squeeze(2)
+        return o.view(n, heads, hd).to(q.dtype)
 
 
 def paged_attention(
@@ -136,6 +150,8 @@ def paged_attention(
     plan = _plan(meta, k_cache.shape[1], mirror, sliding_window)
     if plan is None:
         return reference.paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+    if plan["tok"] is None:  # decode-only step, tokens in row order
+        return mirror.attend(layer, q, k, v, k_cache, v_cache, plan, scale)
     # Prefill chunks (if any) through the reference; decode rows from the mirror into the same output.
     out = reference.paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, skip_decode=True)
     out[plan["tok"]] = mirror.attend(layer, q, k, v, k_cache, v_cache, plan, scale)
@@ -149,7 +165,7 @@ def _plan(meta: AttentionMetadata, block_size: int, mirror: DecodeMirror | None,
     plan = None
     qsl, seq_lens = meta.host["query_start_loc"], meta.host["seq_lens"]
     dec = ((qsl[1:] - qsl[:-1]) == 1).nonzero()[0]
-    if mirror is not None and len(dec) and seq_lens[dec].sum() >= MIN_MIRROR_CONTEXT:
+    if mirror is not None and len(dec) and seq_lens[dec].sum() >= mirror.min_context:
         lens = seq_lens[dec]
         got = mirror.plan(meta.host["seq_ids"][dec], lens, meta.block_tables[torch.from_numpy(dec)], block_size)
         if got is not None:
@@ -160,11 +176,15 @@ def _plan(meta: AttentionMetadata, block_size: int, mirror: DecodeMirror | None,
             lens_rows = torch.from_numpy(mirror.lens.copy()).to(dev)
             max_len = int(mirror.lens.max())
             mask = reference.decode_mask(lens_rows, max_len, sliding_window)
+            tok = qsl[dec][order]
+            _, kvh, cap, _ = mirror.k.shape[1:]
+            # flat offset of (row, head, the row's new position) in a layer's [rows, kvh, cap, hd]
+            slots = (np.arange(len(rows))[:, None] * kvh + np.arange(kvh)[None, :]) * cap + (lens[order] - 1)[:, None]
+            in_order = len(dec) == len(seq_lens) and np.array_equal(tok, np.arange(len(tok)))
             plan = {
                 "fill": fill, "max_len": max_len, "mask": mask,
-                "row_ids": torch.arange(len(rows), device=dev),
-                "tok": torch.from_numpy(qsl[dec][order]).to(dev),
-                "pos": torch.from_numpy(lens[order] - 1).to(dev),
+                "tok": None if in_order else torch.from_numpy(tok).to(dev),
+                "slots": torch.from_numpy(slots.reshape(-1)).to(dev),
             }  # fmt: skip
     meta.cache["mirror_plan"] = plan
     return plan

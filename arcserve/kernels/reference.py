@@ -135,25 +135,28 @@ def sample_from_cdf(x: torch.Tensor, inv_temp: torch.Tensor, u: torch.Tensor) ->
 
 
 def rope_cos_sin(cos_sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
-    """The step's rotary context for rotary_embedding: per-token (cos, sin), each
-    [T, 1, rot_dim // 2] in `dtype`; computed once per step. (cos_sin: [max_pos, rot_dim], the
-    cos half then the sin half, float32.)"""
+    """The step's rotary context for rotary_embedding, computed once per step in `dtype`: per-token
+    (cos, sin), each [T, 1, rot_dim // 2], and their full-width NeoX forms (cos, cos) and
+    (-sin, sin), each [T, 1, rot_dim]. (cos_sin: [max_pos, rot_dim], the cos half then the sin
+    half, float32.)"""
     cs = cos_sin[positions].to(dtype)
     half = cs.shape[-1] // 2
-    return cs[:, None, :half], cs[:, None, half:]
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    return cos, sin, torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
 
 
 def rotary_embedding(qk: torch.Tensor, rope: tuple, neox: bool = True) -> torch.Tensor:
     """Rotate q and k heads together: qk is [T, heads, head_dim] (q heads then k heads); rope is
     rope_cos_sin's result. NeoX layout rotates the two halves, GPT-J interleaved pairs. With a
     rotary dim below head_dim, the remaining features pass through."""
-    cos, sin = rope
+    cos, sin, cos2, sin2 = rope
     rot = 2 * cos.shape[-1]
     if rot < qk.shape[-1]:
         return torch.cat((rotary_embedding(qk[..., :rot], rope, neox), qk[..., rot:]), dim=-1)
     if neox:
-        x1, x2 = qk.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        # x * (cos, cos) + (x2, x1) * (-sin, sin): transformers' q * cos + rotate_half(q) * sin,
+        # the same roundings, in four ops (ops cost more than their arithmetic on a CPU at one token)
+        return qk * cos2 + qk.roll(rot // 2, -1) * sin2
     x1, x2 = qk[..., 0::2], qk[..., 1::2]  # GPT-J: interleaved pairs
     return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
 

@@ -37,14 +37,34 @@ def make_meta(batch, block_tables, mirror):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("seed,window,budget", [(0, None, 1 << 30), (1, 7, 1 << 30), (2, None, 1 << 30), (3, None, 4000)])
-def test_mirror_matches_reference_over_changing_batches(seed, window, budget, monkeypatch):
+@pytest.mark.parametrize("native", [True, False])
+def test_mirror_dtype_follows_the_cpu(native, monkeypatch):
+    """A half cache keeps a half mirror (used from MIN_MIRROR_CONTEXT) where the CPU multiplies halves
+    natively, else a float32 one used at any context; a float32 cache always mirrors in float32."""
+    monkeypatch.setattr(reference, "native_half_matmul", lambda dtype: native)
+    half = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.bfloat16, torch.device("cpu"), 1 << 20)
+    assert half.dtype == (torch.bfloat16 if native else torch.float32)
+    assert half.min_context == (cpu_attention.MIN_MIRROR_CONTEXT if native else 0)
+    full = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, torch.device("cpu"), 1 << 20)
+    assert full.dtype == torch.float32 and full.min_context == cpu_attention.MIN_MIRROR_CONTEXT
+
+
+@pytest.mark.parametrize(
+    "seed,window,budget,dtype",
+    [(0, None, 1 << 30, torch.float32), (1, 7, 1 << 30, torch.float32), (2, None, 1 << 30, torch.float32),
+     (3, None, 4000, torch.float32), (4, None, 1 << 30, torch.bfloat16), (5, 7, 1 << 30, torch.bfloat16)],
+)  # fmt: skip
+def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dtype, monkeypatch):
+    """bf16: the float32 mirror of a CPU without native half products, against the reference in
+    float32 on the same bf16 values (the mirror's outputs differ by their rounding to bf16 only)."""
     monkeypatch.setattr(cpu_attention, "MIN_MIRROR_CONTEXT", 1)  # tiny contexts: always mirror
+    monkeypatch.setattr(reference, "native_half_matmul", lambda dtype: False)
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    kc = [torch.randn(NB, BS, KVH, D) for _ in range(LAYERS)]
-    vc = [torch.randn(NB, BS, KVH, D) for _ in range(LAYERS)]
-    mirror = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, torch.device("cpu"), budget)
+    kc = [torch.randn(NB, BS, KVH, D).to(dtype) for _ in range(LAYERS)]
+    vc = [torch.randn(NB, BS, KVH, D).to(dtype) for _ in range(LAYERS)]
+    mirror = cpu_attention.DecodeMirror(LAYERS, KVH, D, dtype, torch.device("cpu"), budget)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
     free = list(range(NB))
     rng.shuffle(free)
     seqs: dict[int, int] = {}  # seq id -> tokens computed
@@ -77,11 +97,13 @@ def test_mirror_matches_reference_over_changing_batches(seed, window, budget, mo
         meta_ref = make_meta(batch, tables, None)
         T = int(meta_fast.host["query_start_loc"][-1])
         for layer in range(LAYERS):
-            q, k, v = torch.randn(T, H, D), torch.randn(T, KVH, D), torch.randn(T, KVH, D)
+            q, k, v = (torch.randn(T, n, D).to(dtype) for n in (H, KVH, KVH))
             reference.store_kv(k, v, kc[layer], vc[layer], meta_fast.slot_mapping)
             fast = cpu_attention.paged_attention(q, k, v, kc[layer], vc[layer], meta_fast, 0.3, window, layer)
-            ref = reference.paged_attention(q, k, v, kc[layer], vc[layer], meta_ref, 0.3, window)
-            torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+            assert fast.dtype == dtype
+            f32 = [t.float() for t in (q, k, v, kc[layer], vc[layer])]
+            ref = reference.paged_attention(*f32, meta_ref, 0.3, window)
+            torch.testing.assert_close(fast.float(), ref, **tol)
         used_mirror |= meta_fast.cache.get("mirror_plan") is not None
         for sid, s, n in batch:
             seqs[sid] = s + n
