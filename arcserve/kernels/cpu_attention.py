@@ -128,11 +128,10 @@ class DecodeMirror:
             V[fill_rows, :, :n] = reference._gather(v_cache, blocks)[:, :, :n].to(V.dtype)
         if tok is not None:
             q, k, v = q[tok], k[tok], v[tok]
+        (n, heads, hd), kvh, L = q.shape, K.shape[1], plan["max_len"]
         # This step's token of each row: one index_copy_ per buffer at flat (row, head, pos) offsets.
-        hd = K.shape[-1]
         K.view(-1, hd).index_copy_(0, plan["slots"], k.to(K.dtype).reshape(-1, hd))
         V.view(-1, hd).index_copy_(0, plan["slots"], v.to(V.dtype).reshape(-1, hd))
-        (n, heads, hd), kvh, L = q.shape, K.shape[1], plan["max_len"]
         # The query heads sharing a KV head ride as its query rows (no mask among them): one
         # plain SDPA, cheaper than its GQA form on the CPU.
         o = F.scaled_dot_product_attention(
