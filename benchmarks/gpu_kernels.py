@@ -174,7 +174,7 @@ GEMV_CANDIDATES = [(4, 1024, 4), (4, 1024, 8), (8, 1024, 4), (4, 4096, 4), (8, 5
 def gemv_setting(block_n: int, block_k: int, warps: int):
     """The matrix-vector kernel launched with this program shape (BLOCK_K capped at the row)."""
     shipped = triton_linear._tiles, triton_linear._WARPS
-    triton_linear._tiles = lambda M, N, K, interpreted=False: (1, block_n, min(block_k, triton.next_power_of_2(K)))
+    triton_linear._tiles = lambda M, K, interpreted=False: (1, block_n, min(block_k, triton.next_power_of_2(K)))
     triton_linear._WARPS = warps
     try:
         yield

@@ -35,11 +35,11 @@ MIN_MIRROR_CONTEXT = 1024
 class DecodeMirror:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype, device, max_bytes: int) -> None:
         self.shape = (num_layers, kv_heads, head_dim)
-        half = dtype in (torch.float16, torch.bfloat16)
-        self.upcast = half and not reference.native_half_matmul(dtype)  # float32 mirror (see above)
-        self.dtype = torch.float32 if self.upcast else dtype
+        # a float32 mirror of a half cache where the CPU emulates half products (see above)
+        upcast = dtype in (torch.float16, torch.bfloat16) and not reference.native_half_matmul(dtype)
+        self.dtype = torch.float32 if upcast else dtype
         self.device, self.max_bytes = device, max_bytes
-        self.min_context = 0 if self.upcast else MIN_MIRROR_CONTEXT
+        self.min_context = 0 if upcast else MIN_MIRROR_CONTEXT
         self.k: torch.Tensor | None = None  # [layers, rows, kvh, cap, hd]
         self.v: torch.Tensor | None = None
         self.ids: list[int] = []  # seq id held by each row

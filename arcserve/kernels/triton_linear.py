@@ -121,7 +121,7 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr, M, N, K
 
 
 @functools.cache
-def _tiles(M: int, N: int, K: int, interpreted: bool = False) -> tuple[int, int, int]:
+def _tiles(M: int, K: int, interpreted: bool = False) -> tuple[int, int, int]:
     """(M_PAD, BLOCK_N, BLOCK_K) of the launch."""
     k_pad = max(16, triton.next_power_of_2(K))
     block_n = _INTERPRETER_BLOCK_N if interpreted else _BLOCK_N
@@ -132,7 +132,7 @@ def _launch(x, weight, bias, prologue: int, K: int, residual=None, norm_weight=N
     M, N = x.shape[0], weight.shape[0]
     assert weight.stride(1) == 1 and x.stride(1) == 1 and weight.shape[1] == K
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    m_pad, block_n, block_k = _tiles(M, N, K, interpreted=x.device.type == "cpu")
+    m_pad, block_n, block_k = _tiles(M, K, interpreted=x.device.type == "cpu")
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
         res_out if res_out is not None else y, weight, bias if bias is not None else weight, y, M, N, K,
