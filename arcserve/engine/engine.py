@@ -49,7 +49,7 @@ class LLMEngine(InputProcessor):
         torch.manual_seed(args.seed)
 
         t0 = time.time()
-        ops = get_ops(args.kernels, self.device)
+        ops = get_ops(args.kernels, self.device, compiled=not args.enforce_eager)
         self.model = load_model(cfg, self.dtype, self.device, ops, self.max_model_len, args.load_format, args.seed)
         logger.info(
             "Loaded %s (%s, %d layers) as %s on %s in %.1f s", args.model, cfg.architecture,

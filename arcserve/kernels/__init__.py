@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
-from arcserve.kernels import cpu_attention, reference
+from arcserve.kernels import cpu_attention, cpu_compiled, reference
 from arcserve.platform import triton_available
 
 KERNEL_CHOICES = ("auto", "torch", "triton")
@@ -29,7 +29,8 @@ def resolve_kernels(kernels: str, device: torch.device) -> str:
     return kernels
 
 
-def get_ops(kernels: str, device: torch.device) -> SimpleNamespace:
+def get_ops(kernels: str, device: torch.device, compiled: bool = True) -> SimpleNamespace:
+    """compiled=False (enforce_eager) keeps the CPU's one-token steps on eager ops (cpu_compiled.py)."""
     name = resolve_kernels(kernels, device)
     cpu = device.type == "cpu"
     ops = dict(
@@ -46,6 +47,16 @@ def get_ops(kernels: str, device: torch.device) -> SimpleNamespace:
         paged_attention=cpu_attention.paged_attention if cpu else reference.paged_attention,
         make_decode_mirror=cpu_attention.DecodeMirror if cpu else None,
     )
+    if cpu and name == "torch" and compiled:
+        # one-token steps of half models on CPUs that emulate half products: compiled kernels
+        ops.update(
+            linear=cpu_compiled.linear,
+            pack_linear_weight=cpu_compiled.pack_linear_weight,
+            fused_add_rms_norm=cpu_compiled.fused_add_rms_norm,
+            add_rms_norm_linear=cpu_compiled.add_rms_norm_linear,
+            silu_mul_linear=cpu_compiled.silu_mul_linear,
+            qkv_prepare=cpu_compiled.qkv_prepare,
+        )
     if name == "triton":
         from arcserve.kernels import triton_attention, triton_linear, triton_ops, triton_sampling
 

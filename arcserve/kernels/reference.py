@@ -44,10 +44,13 @@ class EmulatedHalfWeight:
       rows: torch emulates half matrix products 4-9x slower than float32, and oneDNN's float32
       product is ~2x F.linear's at 4-64 rows there.
     Both compute x @ W.T with float32 accumulation, rounded once to the activations' dtype.
-    `batched` is None when memory was short for the copy: every product then takes `half`."""
+    `batched` is None when memory was short for the copy: every product then takes `half`.
+    `rows16`, when set, is `half` in the layout of cpu_compiled's one-token product (this module
+    does not use it)."""
 
     half: torch.Tensor
     batched: torch.Tensor | None
+    rows16: torch.Tensor | None = None
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | EmulatedHalfWeight:

@@ -1,0 +1,155 @@
+"""cpu_compiled: one-token kernels compiled by inductor for half models on CPUs that emulate half
+products. The small-op groups must give the eager ops' exact bits, the one-token product the
+float32 product rounded once (within an ulp: the summation order differs), and a failed compile
+must fall back to the eager ops. Without a C++ compiler on the machine, the fallback is what runs."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from arcserve import LLM, SamplingParams
+from arcserve.kernels import cpu_compiled, get_ops, reference
+
+HAVE_CXX = shutil.which("g++") is not None  # what inductor compiles its CPU kernels with
+
+
+@pytest.fixture(autouse=True)
+def emulated_half(monkeypatch):
+    """Every test runs as on an AVX2-only CPU (no native half products), with a clean failure state."""
+    monkeypatch.setattr(reference, "native_half_matmul", lambda dtype: False)
+    cpu_compiled._emulated.cache_clear()
+    failed = list(cpu_compiled._failed)
+    cpu_compiled._failed.clear()
+    yield
+    cpu_compiled._emulated.cache_clear()
+    cpu_compiled._failed[:] = failed
+
+
+def compiled_keys(name: str) -> int:
+    return sum(1 for k in cpu_compiled._compiled if k[0] == name)
+
+
+def check_compiled(name: str) -> None:
+    """With a compiler the kernel must have compiled; without, the eager ops ran after a failure."""
+    if HAVE_CXX:
+        assert not cpu_compiled._failed, cpu_compiled._failed
+        assert compiled_keys(name) > 0
+    else:
+        assert cpu_compiled._failed
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_norms_and_silu_mul_give_the_eager_bits(dtype):
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(1, 96, generator=g) * 3).to(dtype), torch.randn(1, 96, generator=g).to(dtype)
+    w = (1 + torch.randn(96, generator=g) / 4).to(dtype)
+    h, res = cpu_compiled.fused_add_rms_norm(x, r, w, 1e-6)
+    h0, res0 = reference.fused_add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(h, h0) and torch.equal(res, res0)
+    h, res = cpu_compiled.fused_add_rms_norm(x, None, w, 1e-6)  # the first layer: no residual yet
+    assert torch.equal(h, reference.rms_norm(x, w, 1e-6)) and res is x
+    check_compiled("add_rms_norm")
+    # plain (unprepared) weights keep torch's product: only the compiled small ops differ in path
+    wl = (torch.randn(48, 96, generator=g) / 8).to(dtype)
+    y, res = cpu_compiled.add_rms_norm_linear(x, r, w, 1e-6, wl)
+    y0, res0 = reference.add_rms_norm_linear(x, r, w, 1e-6, wl)
+    assert torch.equal(y, y0) and torch.equal(res, res0)
+    gu = (torch.randn(1, 192, generator=g) * 2).to(dtype)
+    assert torch.equal(cpu_compiled.silu_mul_linear(gu, wl), reference.silu_mul_linear(gu, wl))
+    check_compiled("silu_and_mul")
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_qkv_prepare_gives_the_eager_bits(qk_norm):
+    g = torch.Generator().manual_seed(1)
+    nq, nkv, d, dtype = 6, 2, 32, torch.bfloat16
+    qkv = torch.randn(1, nq + 2 * nkv, d, generator=g).to(dtype)
+    norms = (1 + torch.randn(2, d, generator=g) / 4).to(dtype) if qk_norm else (None, None)
+    cos_sin = torch.randn(64, d, generator=g)  # any table: the ops must agree on it
+    rope = reference.rope_cos_sin(cos_sin, torch.tensor([37]), dtype)
+    caches = [torch.zeros(4, 16, nkv, d, dtype=dtype) for _ in range(4)]
+    slots = torch.tensor([21])
+    got = cpu_compiled.qkv_prepare(qkv, nq, norms[0], norms[1], 1e-6, rope, caches[0], caches[1], slots)
+    want = reference.qkv_prepare(qkv, nq, norms[0], norms[1], 1e-6, rope, caches[2], caches[3], slots)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].view(-1, nkv, d)[21].abs().sum() > 0  # K landed in its slot
+    check_compiled("qkv_prepare")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_token_product_over_rows16(dtype):
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(80, 96, generator=g) / 8).to(dtype)
+    b = torch.randn(80, generator=g).to(dtype)
+    packed = cpu_compiled.pack_linear_weight(w)
+    assert torch.equal(packed.half, w)
+    # rows16[i, k, j] is W[16 i + j, k]
+    assert torch.equal(packed.rows16, w.view(5, 16, 96).transpose(1, 2))
+    for bias in (None, b):
+        x = torch.randn(1, 96, generator=g).to(dtype)
+        got = cpu_compiled.linear(x, packed, bias)
+        want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+        assert got.dtype == dtype and got.shape == (1, 80)
+        # float32 sums in another order, rounded once: within one unit of the last place
+        ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
+        assert ((got.float() - want).abs() <= want.abs() * ulp + 1e-6).all()
+    check_compiled("linear")
+    x = torch.randn(5, 96, generator=g).to(dtype)  # more rows: the reference path, same bits
+    assert torch.equal(cpu_compiled.linear(x, packed, b), reference.linear(x, packed, b))
+
+
+def test_rows16_only_for_whole_tiles_and_half_weights():
+    assert cpu_compiled.pack_linear_weight(torch.randn(8, 4).bfloat16()).rows16 is None  # 8 outputs: no tile
+    w = torch.randn(32, 8)
+    assert cpu_compiled.pack_linear_weight(w) is w  # float32 weights: untouched
+
+
+def test_a_failed_compile_falls_back_to_the_eager_ops(monkeypatch, caplog):
+    import torch._inductor.compile_fx as cfx
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler here")
+
+    monkeypatch.setattr(cfx, "compile_fx", broken)
+    g = torch.Generator().manual_seed(3)
+    x, r = torch.randn(1, 40, generator=g).bfloat16(), torch.randn(1, 40, generator=g).bfloat16()
+    w = torch.randn(40, generator=g).bfloat16()
+    with caplog.at_level(logging.WARNING, logger="arcserve"):
+        h, res = cpu_compiled.fused_add_rms_norm(x, r, w, 0.123)  # an eps no test compiled before
+    h0, res0 = reference.fused_add_rms_norm(x, r, w, 0.123)
+    assert torch.equal(h, h0) and torch.equal(res, res0)
+    assert "no C++ compiler here" in caplog.text and cpu_compiled._failed
+    # from then on, no more attempts: the eager ops run directly
+    monkeypatch.setattr(cfx, "compile_fx", lambda *a, **k: pytest.fail("compiled again after a failure"))
+    h, res = cpu_compiled.fused_add_rms_norm(x, r, w, 0.456)
+    assert torch.equal(h, reference.fused_add_rms_norm(x, r, w, 0.456)[0])
+
+
+def test_enforce_eager_keeps_the_eager_ops():
+    ops = get_ops("torch", torch.device("cpu"), compiled=False)
+    assert ops.linear is reference.linear and ops.qkv_prepare is reference.qkv_prepare
+    ops = get_ops("torch", torch.device("cpu"))
+    assert ops.linear is cpu_compiled.linear and ops.add_rms_norm_linear is cpu_compiled.add_rms_norm_linear
+
+
+def test_engine_decodes_the_same_tokens_compiled_and_eager(llama_dir):
+    """A bf16 model decoding one request: the compiled one-token path gives the eager path's tokens."""
+    prompt = {"prompt_token_ids": [5, 17, 33, 101, 7, 64, 250, 12, 3]}
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    eager = LLM(str(llama_dir), dtype="bfloat16", max_model_len=128, enforce_eager=True)
+    want = eager.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    before = compiled_keys("linear")
+    fast = LLM(str(llama_dir), dtype="bfloat16", max_model_len=128)
+    assert isinstance(fast.llm_engine.model.layers[0].gate_up, reference.EmulatedHalfWeight)
+    assert fast.llm_engine.model.layers[0].gate_up.rows16 is not None
+    got = fast.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
+    if HAVE_CXX:  # the one-token steps took the compiled product (new shapes: qkv, o, gate_up, down, LM head)
+        assert compiled_keys("linear") > before and not cpu_compiled._failed
