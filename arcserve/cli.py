@@ -34,7 +34,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto = Triton on GPUs, PyTorch on CPU")  # fmt: skip
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="GPU: share of device memory for weights, activations and the KV cache")  # fmt: skip
-    p.add_argument("--enforce-eager", action="store_true", help="GPU: run every step eagerly, without captured graphs")
+    p.add_argument("--enforce-eager", action="store_true", help="GPU: run every step eagerly, without captured graphs; CPU: no compiled one-token kernels")
     _bool_flag(p, "async-scheduling", None,
                "overlap steps: schedule step N+1 while the device runs step N (default: on for GPUs)")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],

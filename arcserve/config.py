@@ -81,7 +81,7 @@ class EngineArgs:
     kernels: str = "auto"  # auto (triton on GPUs, torch on CPU) | torch | triton
     generation_config: str = "auto"  # auto (model folder) | a folder | "vllm" (ignore the model's)
     gpu_memory_utilization: float = 0.9  # GPU: share of device memory for weights, activations, KV cache
-    enforce_eager: bool = False  # GPU: no decode graphs
+    enforce_eager: bool = False  # GPU: no step graphs; CPU: no compiled one-token kernels
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights from config.json; benchmarks)
     async_scheduling: bool | None = None  # overlapped steps; None = on for GPUs, off on the CPU
     # speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": k,
