@@ -16,9 +16,10 @@ round once to the activations' dtype, as torch's do (the summation order differs
 
 Graphs are traced with make_fx and compiled by inductor's compile_fx directly: torch.compile's frame
 guards cost ~100 us per call here, more than these kernels. Each shape compiles once per process
-(~1-2 s the first time on a machine; inductor caches the result on disk). If compiling fails (no C++
-compiler, an inductor change), the compiled path turns itself off with a warning and the eager ops
-run. `enforce_eager=True` (`--enforce-eager`) keeps the eager ops from the start.
+(measured with inductor's disk cache warm: the first one-token step of a process took 6.4-8.0 s
+against 0.4 s eager). If compiling fails (no C++ compiler, an inductor change), the compiled path
+turns itself off with a warning and the eager ops run. `enforce_eager=True` (`--enforce-eager`)
+keeps the eager ops from the start.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from arcserve.kernels.reference import EmulatedHalfWeight
 log = logging.getLogger("arcserve")
 
 TILE = 16  # outputs side by side in the rows16 layout: two float32 AVX2 vectors
-_compiled: dict = {}  # key -> compiled callable
+_compiled: dict = {}  # (name, dtype, shapes, static values) -> compiled callable
 _failed: list[str] = []  # the first compile error; non-empty turns the compiled path off
 
 
@@ -48,46 +49,49 @@ def _one_token(x: torch.Tensor) -> bool:
     return x.shape[0] == 1 and not _failed and _emulated(x.dtype)
 
 
-def _compile(name: str, fn: Callable, args: tuple, static: tuple = ()) -> Callable | None:
-    """fn over the tensors `args` (fixed shapes, strides, dtypes; `static` = the other values fn
-    closes over), compiled once; None once compiling has failed."""
-    key = (name, static, *((a.shape, a.stride(), a.dtype) for a in args))
+def _run(fn: Callable, args: tuple, **static):
+    """fn(*args, **static) through its compiled kernel, compiled on first use for these shapes,
+    dtype and static values; None when compiling fails (the caller runs the eager ops). The key
+    leaves strides out (a few us per call on the per-token path): every call site passes the same
+    layout for the same shapes (contiguous activations and weights, rope_cos_sin's views), and the
+    compiled code asserts it."""
+    key = (fn, args[0].dtype, *[a.shape for a in args], *static.values())
     got = _compiled.get(key)
-    if got is None and not _failed:
+    if got is None:
+        if _failed:
+            return None
         try:
             from torch._inductor import config as inductor_config
             from torch._inductor.compile_fx import compile_fx
             from torch.fx.experimental.proxy_tensor import make_fx
 
             if not _compiled:
-                log.info("compiling the CPU decode kernels (once per shape; inductor caches them on disk)")
+                log.info("compiling the CPU decode kernels (at the first one-token step of the process)")
             with inductor_config.patch(emulate_precision_casts=True):
-                got = compile_fx(make_fx(fn)(*args), list(args))
-            _compiled[key] = got
+                got = _compiled[key] = compile_fx(make_fx(functools.partial(fn, **static))(*args), list(args))
         except Exception as e:  # noqa: BLE001 (any compiler failure: fall back to the eager ops)
             _failed.append(f"{type(e).__name__}: {e}")
             log.warning("compiling a CPU decode kernel failed (%s); running the eager ops instead", _failed[0][:300])
             return None
-    return got
+    return got(*args)
 
 
-def _gemv(x: torch.Tensor, rows16: torch.Tensor, *bias: torch.Tensor) -> tuple[torch.Tensor]:
+def _gemv(x: torch.Tensor, rows16: torch.Tensor, *bias: torch.Tensor) -> torch.Tensor:
     """x [1, K] @ W.T with W as rows16 [N/16, K, 16]: float32 sums, one rounding."""
     y = (rows16.float() * x.float().view(1, -1, 1)).sum(1).reshape(1, -1)
     if bias:
         y = y + bias[0].float()
-    return (y.to(x.dtype),)
+    return y.to(x.dtype)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | EmulatedHalfWeight:
     """reference.pack_linear_weight, plus the rows16 layout of emulated half weights for one-token
-    products (while the host keeps FLOAT_COPY_RESERVE of its memory available)."""
+    products (while the host can spare the memory: reference.host_can_spare)."""
     packed = reference.pack_linear_weight(weight)
     if not isinstance(packed, EmulatedHalfWeight) or packed.batched is None:
         return packed
     n, k = packed.half.shape
-    available, total = reference.host_memory()
-    if n % TILE or available - 2 * packed.half.numel() < reference.FLOAT_COPY_RESERVE * total:
+    if n % TILE or not reference.host_can_spare(2 * packed.half.numel()):
         return packed
     rows16 = packed.half.view(n // TILE, TILE, k).transpose(1, 2).contiguous()
     return EmulatedHalfWeight(packed.half, packed.batched, rows16)
@@ -95,34 +99,20 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | EmulatedHalfWeigh
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(weight, EmulatedHalfWeight) and weight.rows16 is not None and x.dim() == 2 and _one_token(x):
-        args = (x, weight.rows16) + (() if bias is None else (bias,))
-        fn = _compile("linear", _gemv, args)
-        if fn is not None:
-            return fn(*args)[0]
+        y = _run(_gemv, (x, weight.rows16) if bias is None else (x, weight.rows16, bias))
+        if y is not None:
+            return y
     return reference.linear(x, weight, bias)
-
-
-def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple:
-    return reference.fused_add_rms_norm(x, residual, weight, eps)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple:
-    return (reference.rms_norm(x, weight, eps),)
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if _one_token(x):
-        if residual is None:
-            fn = _compile("rms_norm", functools.partial(_rms_norm, eps=eps), (x, weight), (eps,))
-            if fn is not None:
-                return fn(x, weight)[0], x
-        else:
-            fn = _compile("add_rms_norm", functools.partial(_add_rms_norm, eps=eps), (x, residual, weight), (eps,))
-            if fn is not None:
-                h, residual = fn(x, residual, weight)
-                return h, residual
+    # the first layer's norm (no residual yet) is one op: left to the reference
+    if residual is not None and _one_token(x):
+        got = _run(reference.fused_add_rms_norm, (x, residual, weight), eps=eps)
+        if got is not None:
+            return got[0], got[1]
     return reference.fused_add_rms_norm(x, residual, weight, eps)
 
 
@@ -134,16 +124,20 @@ def add_rms_norm_linear(
     return linear(h, weight, bias), residual
 
 
-def _silu_and_mul(x: torch.Tensor) -> tuple[torch.Tensor]:
-    return (reference.silu_and_mul(x),)
-
-
 def silu_mul_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if _one_token(x):
-        fn = _compile("silu_and_mul", _silu_and_mul, (x,))
-        if fn is not None:
-            return linear(fn(x)[0], weight, bias)
-    return reference.silu_mul_linear(x, weight, bias)
+    h = _run(reference.silu_and_mul, (x,)) if _one_token(x) else None
+    return reference.silu_mul_linear(x, weight, bias) if h is None else linear(h, weight, bias)
+
+
+def _norm_rope(qkv: torch.Tensor, *t: torch.Tensor, num_q: int, eps: float, neox: bool) -> tuple:
+    """q and k of qkv [1, heads, head_dim], per-head RMSNorm'd (when t starts with the two norm
+    weights) and rotated (t ends with rope_cos_sin's four tensors), each contiguous."""
+    nkv = (qkv.shape[1] - num_q) // 2
+    qk = qkv[:, : num_q + nkv]
+    if len(t) == 6:
+        qk = torch.cat((reference.rms_norm(qk[:, :num_q], t[0], eps), reference.rms_norm(qk[:, num_q:], t[1], eps)), 1)
+    qk = reference.rotary_embedding(qk, t[-4:], neox)
+    return qk[:, :num_q].contiguous(), qk[:, num_q:].contiguous()
 
 
 def qkv_prepare(qkv: torch.Tensor, num_q: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
@@ -151,22 +145,11 @@ def qkv_prepare(qkv: torch.Tensor, num_q: int, q_norm: torch.Tensor | None, k_no
                 neox: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """reference.qkv_prepare; for one token, q/k norm and RoPE run as one compiled kernel."""
     if _one_token(qkv):
-        nkv = (qkv.shape[1] - num_q) // 2
         norms = () if q_norm is None else (q_norm, k_norm)
-
-        def prepare(qkv, *t):
-            qn, kn = t[:-4] if norms else (None, None)
-            qk = qkv[:, : num_q + nkv]
-            if qn is not None:
-                qk = torch.cat((reference.rms_norm(qk[:, :num_q], qn, eps), reference.rms_norm(qk[:, num_q:], kn, eps)), 1)
-            qk = reference.rotary_embedding(qk, tuple(t[-4:]), neox)
-            return qk[:, :num_q].contiguous(), qk[:, num_q:].contiguous()
-
-        args = (qkv, *norms, *rope)
-        fn = _compile("qkv_prepare", prepare, args, (num_q, eps, neox))
-        if fn is not None:
-            q, k = fn(*args)
-            v = qkv[:, num_q + nkv :]
+        got = _run(_norm_rope, (qkv, *norms, *rope), num_q=num_q, eps=eps, neox=neox)
+        if got is not None:
+            q, k = got
+            v = qkv[:, q.shape[1] + k.shape[1] :]
             reference.store_kv(k, v, k_cache, v_cache, slots)
             return q, k, v
     return reference.qkv_prepare(qkv, num_q, q_norm, k_norm, eps, rope, k_cache, v_cache, slots, neox)

@@ -53,6 +53,12 @@ class EmulatedHalfWeight:
     rows16: torch.Tensor | None = None
 
 
+def host_can_spare(nbytes: int) -> bool:
+    """Whether a copy of nbytes leaves FLOAT_COPY_RESERVE of the host's memory available."""
+    available, total = host_memory()
+    return available - nbytes >= FLOAT_COPY_RESERVE * total
+
+
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | EmulatedHalfWeight:
     """On CPU, prepare bf16/fp16 weights once for the CPU's fastest matrix product:
     - with native half-precision matmul: reorder into oneDNN's blocked layout (AMX/AVX-512
@@ -66,8 +72,7 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | EmulatedHalfWeigh
         return weight
     if native_half_matmul(weight.dtype):
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_BATCH_HINT)
-    available, total = host_memory()
-    if available - 4 * weight.numel() < FLOAT_COPY_RESERVE * total:
+    if not host_can_spare(4 * weight.numel()):
         global _warned_short_memory
         if not _warned_short_memory:
             _warned_short_memory = True
