@@ -45,26 +45,32 @@ def test_mirror_dtype_follows_the_cpu(native, monkeypatch):
     half = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.bfloat16, torch.device("cpu"), 1 << 20)
     assert half.dtype == (torch.bfloat16 if native else torch.float32)
     assert half.min_context == (cpu_attention.MIN_MIRROR_CONTEXT if native else 0)
+    assert half.gqa_form == native  # SDPA's GQA form over half mirrors only
     full = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, torch.device("cpu"), 1 << 20)
     assert full.dtype == torch.float32 and full.min_context == cpu_attention.MIN_MIRROR_CONTEXT
+    assert not full.gqa_form
 
 
 @pytest.mark.parametrize(
-    "seed,window,budget,dtype",
-    [(0, None, 1 << 30, torch.float32), (1, 7, 1 << 30, torch.float32), (2, None, 1 << 30, torch.float32),
-     (3, None, 4000, torch.float32), (4, None, 1 << 30, torch.bfloat16), (5, 7, 1 << 30, torch.bfloat16)],
+    "seed,window,budget,dtype,native",
+    [(0, None, 1 << 30, torch.float32, False), (1, 7, 1 << 30, torch.float32, False),
+     (2, None, 1 << 30, torch.float32, False), (3, None, 4000, torch.float32, False),
+     (4, None, 1 << 30, torch.bfloat16, False), (5, 7, 1 << 30, torch.bfloat16, False),
+     (6, None, 1 << 30, torch.bfloat16, True), (7, 7, 1 << 30, torch.bfloat16, True)],
 )  # fmt: skip
-def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dtype, monkeypatch):
-    """bf16: the float32 mirror of a CPU without native half products, against the reference in
-    float32 on the same bf16 values (the mirror's outputs differ by their rounding to bf16 only)."""
+def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dtype, native, monkeypatch):
+    """bf16 against the reference in float32 on the same bf16 values: native=False, the float32
+    mirror of a CPU without native half products (outputs differ by their rounding to bf16 only);
+    native=True, a bf16 mirror through SDPA's GQA form."""
     monkeypatch.setattr(cpu_attention, "MIN_MIRROR_CONTEXT", 1)  # tiny contexts: always mirror
-    monkeypatch.setattr(reference, "native_half_matmul", lambda dtype: False)
+    monkeypatch.setattr(reference, "native_half_matmul", lambda dtype: native)
     rng = random.Random(seed)
     torch.manual_seed(seed)
     kc = [torch.randn(NB, BS, KVH, D).to(dtype) for _ in range(LAYERS)]
     vc = [torch.randn(NB, BS, KVH, D).to(dtype) for _ in range(LAYERS)]
     mirror = cpu_attention.DecodeMirror(LAYERS, KVH, D, dtype, torch.device("cpu"), budget)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+    assert mirror.gqa_form == native
     free = list(range(NB))
     rng.shuffle(free)
     seqs: dict[int, int] = {}  # seq id -> tokens computed
