@@ -40,14 +40,18 @@ class DecodeMirror:
         self.dtype = torch.float32 if upcast else dtype
         self.device, self.max_bytes = device, max_bytes
         self.min_context = 0 if upcast else MIN_MIRROR_CONTEXT
-        # A half mirror (CPUs with native half products) runs SDPA in its GQA form: measured on a
-        # 2-vCPU AVX-512/AMX Xeon, 64 sequences x ~400 positions of SmolLM2's heads, ~2.1 ms per
-        # layer against ~2.5-3.2 ms with the query heads as rows; the 64-request benchmark +14%.
-        self.gqa_form = self.dtype in (torch.float16, torch.bfloat16)
         self.k: torch.Tensor | None = None  # [layers, rows, kvh, cap, hd]
         self.v: torch.Tensor | None = None
         self.ids: list[int] = []  # seq id held by each row
         self.lens = np.zeros(0, dtype=np.int64)  # tokens valid in each row
+
+    @property
+    def gqa_form(self) -> bool:
+        """A half mirror (CPUs with native half products) runs SDPA in its GQA form: measured on a
+        2-vCPU AVX-512/AMX Xeon, 64 sequences x ~400 positions of SmolLM2's heads, ~2.1 ms per
+        layer against ~2.5-3.2 ms with the query heads as rows; the 64-request benchmark +14%.
+        A float32 mirror keeps the rows form, the faster one there."""
+        return self.dtype in (torch.float16, torch.bfloat16)
 
     def _bytes(self, rows: int, cap: int) -> int:
         L, kvh, hd = self.shape
@@ -136,13 +140,13 @@ class DecodeMirror:
         # This step's token of each row: one index_copy_ per buffer at flat (row, head, pos) offsets.
         K.view(-1, hd).index_copy_(0, plan["slots"], k.to(K.dtype).reshape(-1, hd))
         V.view(-1, hd).index_copy_(0, plan["slots"], v.to(V.dtype).reshape(-1, hd))
-        # float32 mirrors: the query heads sharing a KV head ride as its query rows (no mask among
-        # them), one plain SDPA, cheaper there than its GQA form; half mirrors: the GQA form (see
-        # __init__).
-        g = 1 if self.gqa_form else heads // kvh
+        # Rows form: the query heads sharing a KV head ride as its query rows (no mask among them);
+        # GQA form: one query row per head, enable_gqa (gqa_form says which).
+        gqa = self.gqa_form
+        g = 1 if gqa else heads // kvh
         o = F.scaled_dot_product_attention(
             q.view(n, heads // g, g, hd).to(K.dtype), K[:n, :, :L], V[:n, :, :L], attn_mask=plan["mask"], scale=scale,
-            enable_gqa=self.gqa_form,
+            enable_gqa=gqa,
         )  # fmt: skip
         return o.view(n, heads, hd).to(q.dtype)
 
