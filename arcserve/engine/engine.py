@@ -25,7 +25,7 @@ from arcserve.engine.speculative import DraftLength, accept
 from arcserve.kernels import get_ops
 from arcserve.models.loader import load_model
 from arcserve.outputs import RequestOutput
-from arcserve.platform import memory_info, resolve_device
+from arcserve.platform import keep_host_memory_mapped, memory_info, resolve_device
 from arcserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("arcserve")
@@ -45,6 +45,8 @@ class LLMEngine(InputProcessor):
         super().__init__(args)
         cfg = self.model_config
         self.device = resolve_device(args.device)
+        if self.device.type == "cpu":
+            keep_host_memory_mapped()
         self.dtype = cfg.resolve_dtype(args.dtype)
         torch.manual_seed(args.seed)
 

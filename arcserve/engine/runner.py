@@ -170,7 +170,8 @@ class ModelRunner:
             # Bounded by the KV cache's own size and a quarter of the memory free now.
             budget = min(self.kv.numel() * self.kv.element_size(), memory_info(self.device)[0] // 4)
             self.decode_mirror = model.ops.make_decode_mirror(
-                cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, self.device, budget
+                cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, self.device, budget,
+                max_rows=max_num_seqs, max_len=self.max_model_len,
             )
 
     def _host_inputs(self, out: SchedulerOutput) -> dict:

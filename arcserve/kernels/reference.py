@@ -8,6 +8,7 @@ k/v are [T, num_kv_heads, head_dim]; a layer's KV cache is k_cache/v_cache of sh
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -131,13 +132,26 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return linear(silu_and_mul(x), weight, bias)
 
 
+# Inverse-CDF sampling flushes tokens under ~e^-79.3 of the row's top probability to zero mass:
+# exp() of float32 inputs whose result would be denormal (below ~e^-87.3), or -inf, takes a slow
+# path on x86 CPUs (64 x 49,152 values: 0.6 ms normally, 6 ms at -inf, 56 ms with denormal results),
+# and a real model's logits at temperature 0.6 put most of the vocabulary there. Clamping at -80
+# keeps exp() on its fast path; subtracting twice exp(-80) then takes every clamped token (filtered
+# ones at -inf among them) to exactly 0 whatever exp's last-bit rounding.
+_FLUSH_AT = -80.0
+_FLUSH_MASS = 2 * math.exp(_FLUSH_AT)
+
+
 def sample_from_cdf(x: torch.Tensor, inv_temp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: per row, the first token whose cumulative probability under
     softmax(x * inv_temp) (in float32, whatever x's dtype) exceeds u (in [0, 1)). Tokens at -inf
-    (filtered out) are never picked."""
-    cdf = (x.float() * inv_temp[:, None]).softmax(dim=-1).cumsum(dim=-1)
+    (filtered out) are never picked, nor tokens under ~e^-79 of the row's most likely one."""
+    d = x.to(torch.float32, copy=True).mul_(inv_temp[:, None])
+    d.sub_(d.amax(dim=-1, keepdim=True))
+    # unnormalised: u is scaled by the row total below (the top token keeps mass 1)
+    cdf = d.clamp_(min=_FLUSH_AT).exp_().sub_(_FLUSH_MASS).clamp_(min=0.0).cumsum_(dim=-1)
     # right=True: the first index whose cumulative mass exceeds u, so zero-probability tokens
-    # (flat steps of the cdf) are never picked. u is scaled by the row total (float rounding).
+    # (flat steps of the cdf) are never picked.
     picked = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)[:, 0]
     return picked.clamp_(max=x.shape[1] - 1)
 

@@ -376,6 +376,30 @@ def test_sampled_frequencies_match_distribution():
     assert chi_square(counts, probs) > CHI2_DF3_P001  # and is not the T=1 distribution
 
 
+def test_inverse_cdf_ends_and_negligible_tokens():
+    """reference.sample_from_cdf: u = 0 gives the first token with mass, u -> 1 the last; tokens at
+    -inf never come up, nor tokens under ~e^-79 of the row's most likely one (flushed to zero mass:
+    exp() of inputs with denormal results is ~90x slower on x86 CPUs). A wide row (spread over
+    hundreds of logits, most of its vocabulary below the flush) still samples its distribution."""
+    from arcserve.kernels.reference import sample_from_cdf
+
+    x = torch.tensor([[-90.0, 0.0, float("-inf"), -1.0, -85.0],   # tiny, top, filtered, kept, tiny
+                      [float("-inf"), -79.0, 0.0, -100.0, float("-inf")]])  # fmt: skip
+    ones = torch.ones(2)
+    assert sample_from_cdf(x, ones, torch.zeros(2)).tolist() == [1, 1]
+    assert sample_from_cdf(x, ones, torch.full((2,), 1 - 2**-24)).tolist() == [3, 2]
+    # inv_temp scales before the flush: at temperature 2 the -90 logit is e^-45 of the top, kept
+    assert sample_from_cdf(x, torch.tensor([0.5, 1.0]), torch.zeros(2)).tolist() == [0, 1]
+    gen = torch.Generator().manual_seed(3)
+    wide = torch.randn(8, 50_000, generator=gen) * 40  # ~97% of each row under e^-80 of its top
+    u = torch.rand(8, generator=gen)
+    got = sample_from_cdf(wide.bfloat16(), ones.repeat(4), u)
+    cdf = wide.bfloat16().double().softmax(-1).cumsum(-1)
+    lo = torch.where(got > 0, cdf.gather(1, (got - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    hi = cdf.gather(1, got[:, None])[:, 0]
+    assert ((lo <= u.double() + 1e-6) & (u.double() <= hi + 1e-6)).all(), (got, u)
+
+
 # ---- logprobs -----------------------------------------------------------------------------
 def test_logprobs_come_from_raw_logits():
     g = torch.Generator().manual_seed(5)

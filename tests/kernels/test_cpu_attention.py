@@ -159,3 +159,23 @@ def test_reference_paged_attention_matches_definition(seed, window):
     reference.store_kv(k, v, kc, vc, meta.slot_mapping)
     got = reference.paged_attention(q, k, v, kc, vc, meta, 0.3, window)
     torch.testing.assert_close(got, brute_force(q, kc, vc, meta, 0.3, window), rtol=1e-5, atol=1e-5)
+
+
+def test_mirror_reserves_once_within_budget():
+    """With max_rows / max_len hints a growth reserves every row and position the budget allows, so
+    a batch that grows and lengthens keeps one buffer (each growth copies the mirror); without room
+    for the hints it takes what the step needs; over budget, None (the caller gathers)."""
+    cpu = torch.device("cpu")
+    per = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, cpu, 1)._bytes(1, 1)  # per row-position
+    blocks = torch.zeros(64, 16, dtype=torch.int32)
+    m = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, cpu, per * 64 * 512, max_rows=64, max_len=500)
+    assert m.plan(np.arange(3), np.array([5, 9, 2]), blocks[:3], BS) is not None
+    k = m.k
+    assert k.shape[1] == 64 and k.shape[3] == 512  # every row, max_len rounded up to 128
+    assert float(k.abs().sum()) == 0.0  # zero-filled, as masked positions need finite values
+    assert m.plan(np.arange(40), np.full(40, 300), blocks[:40], BS) is not None
+    assert m.k is k  # no growth
+    small = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, cpu, per * 8 * 256, max_rows=64, max_len=500)
+    assert small.plan(np.arange(3), np.array([5, 9, 2]), blocks[:3], BS) is not None
+    assert small.k.shape[1] * small.k.shape[3] <= 8 * 256 and small.k.shape[1] >= 3
+    assert small.plan(np.arange(30), np.full(30, 300), blocks[:30], BS) is None
