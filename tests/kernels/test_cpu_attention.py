@@ -161,21 +161,27 @@ def test_reference_paged_attention_matches_definition(seed, window):
     torch.testing.assert_close(got, brute_force(q, kc, vc, meta, 0.3, window), rtol=1e-5, atol=1e-5)
 
 
-def test_mirror_reserves_once_within_budget():
-    """With max_rows / max_len hints a growth reserves every row and position the budget allows, so
-    a batch that grows and lengthens keeps one buffer (each growth copies the mirror); without room
-    for the hints it takes what the step needs; over budget, None (the caller gathers)."""
+def test_mirror_growth_rule():
+    """A growth reserves max_rows rows of the step's reach (prompt + max_tokens) when the budget
+    allows, else twice the capacity needed, else exactly what the step needs; past that, None (the
+    caller gathers). A batch that lengthens to its end keeps one buffer; rows keep their tokens
+    through a growth; the reservation reads as zeros."""
     cpu = torch.device("cpu")
-    per = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, cpu, 1)._bytes(1, 1)  # per row-position
+    per = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, cpu, 1)._bytes(1, 1)  # one row-position
     blocks = torch.zeros(64, 16, dtype=torch.int32)
-    m = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, cpu, per * 64 * 512, max_rows=64, max_len=500)
-    assert m.plan(np.arange(3), np.array([5, 9, 2]), blocks[:3], BS) is not None
+    m = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, cpu, per * 48 * 560, max_rows=48)
+    assert m.plan(np.arange(3), np.array([5, 9, 2]), blocks[:3], BS, reach=500) is not None
     k = m.k
-    assert k.shape[1] == 64 and k.shape[3] == 512  # every row, max_len rounded up to 128
-    assert float(k.abs().sum()) == 0.0  # zero-filled, as masked positions need finite values
-    assert m.plan(np.arange(40), np.full(40, 300), blocks[:40], BS) is not None
-    assert m.k is k  # no growth
-    small = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, cpu, per * 8 * 256, max_rows=64, max_len=500)
-    assert small.plan(np.arange(3), np.array([5, 9, 2]), blocks[:3], BS) is not None
-    assert small.k.shape[1] * small.k.shape[3] <= 8 * 256 and small.k.shape[1] >= 3
-    assert small.plan(np.arange(30), np.full(30, 300), blocks[:30], BS) is None
+    assert k.shape[1] == 48 and k.shape[3] == 512  # every row, the reach rounded up to 128 tokens
+    assert float(k.abs().sum()) == 0.0
+    for step in range(1, 400, 50):  # more rows, longer rows, up to the reach: no growth
+        assert m.plan(np.arange(40), np.full(40, 100 + step), blocks[:40], BS, reach=500) is not None
+    assert m.k is k
+    m.k[0, 0, 0, :4] = 7.0  # row 0 holds tokens; a growth must carry them
+    assert m.plan(np.arange(40), np.full(40, 600), blocks[:40], BS, reach=700) is not None
+    assert m.k.shape[1] == 42 and m.k.shape[3] == 640  # 48 rows of 768 do not fit: what fits at the need
+    assert float(m.k[0, 0, 0, :4].sum()) == 7.0 * 4 * D
+    small = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, cpu, per * 32 * 384, max_rows=48)
+    assert small.plan(np.arange(30), np.full(30, 300), blocks[:30], BS, reach=2000) is not None
+    assert small.k.shape[1] == 32 and small.k.shape[3] == 384  # the rows that fit at the capacity needed
+    assert small.plan(np.arange(33), np.full(33, 301), blocks[:33], BS, reach=2000) is None
