@@ -144,11 +144,10 @@ class DecodeMirror:
             new_lens[r] = n
         self.lens = new_lens
         fill = None
-        if refill:
+        if refill:  # new rows are appended: one contiguous range [first, first + len(refill))
             prev = max(n for _, _, n in refill)
             idx = torch.tensor([i for i, _, _ in refill], device=self.device)
-            fill = (torch.tensor([r for _, r, _ in refill], device=self.device),
-                    block_tables[idx, : -(-prev // block_size)].long(), prev)  # fmt: skip
+            fill = (refill[0][1], block_tables[idx, : -(-prev // block_size)].long(), prev)
         return rows, fill
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache, v_cache,
@@ -158,9 +157,10 @@ class DecodeMirror:
         tok, fill = plan["tok"], plan["fill"]
         K, V = self.k[layer], self.v[layer]
         if fill is not None:  # new decoders: copy their context from the paged cache, once
-            fill_rows, blocks, n = fill
-            K[fill_rows, :, :n] = reference._gather(k_cache, blocks)[:, :, :n].to(K.dtype)
-            V[fill_rows, :, :n] = reference._gather(v_cache, blocks)[:, :, :n].to(V.dtype)
+            first, blocks, n = fill
+            rows = slice(first, first + blocks.shape[0])
+            K[rows, :, :n] = reference._gather(k_cache, blocks)[:, :, :n]
+            V[rows, :, :n] = reference._gather(v_cache, blocks)[:, :, :n]
         if tok is not None:
             q, k, v = q[tok], k[tok], v[tok]
         (n, heads, hd), kvh, L = q.shape, K.shape[1], plan["max_len"]
