@@ -208,8 +208,9 @@ class ModelRunner:
         positions = np.arange(T) - qsl[:-1][seq_of_token] + starts[seq_of_token]
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
         seq_ids = np.fromiter((s.request.seq_no for s in seqs), dtype=np.int64, count=len(seqs))
-        # how long each sequence can become (the CPU decode mirror sizes its growth by it)
-        max_lens = np.fromiter((s.request.num_prompt_tokens + s.request.max_tokens for s in seqs), np.int64, len(seqs))
+        # how long each sequence can become: the CPU decode mirror sizes its growths by it
+        max_lens = None if self.decode_mirror is None else np.fromiter(
+            (s.request.num_prompt_tokens + s.request.max_tokens for s in seqs), np.int64, len(seqs))  # fmt: skip
         return {"ids": ids, "positions": positions, "q_lens": q_lens, "qsl": qsl, "seq_lens": seq_lens,
                 "tables": tables, "slots": slots, "seq_ids": seq_ids, "max_lens": max_lens,
                 "feed_dst": np.asarray(feed_dst, dtype=np.int64), "feed_src": np.asarray(feed_src, dtype=np.int64)}  # fmt: skip

@@ -76,7 +76,7 @@ class DecodeMirror:
         per_row = self._bytes(1, 1)
         for c in (reach, 2 * need_cap, need_cap):
             c = -(-max(c, need_cap) // _GROW) * _GROW
-            r = min(max(self.max_rows or 0, need_rows, 2 * cur_rows), self.max_bytes // (per_row * c))
+            r = min(max(need_rows, self.max_rows or 2 * cur_rows), self.max_bytes // (per_row * c))
             if r >= need_rows:
                 break
         else:
