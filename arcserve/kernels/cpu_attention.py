@@ -64,17 +64,18 @@ class DecodeMirror:
     def _ensure(self, rows: int, cap: int, reach: int) -> bool:
         """Room for `rows` rows of `cap` tokens. A growth reserves as much as the budget allows: up
         to max_rows rows of `reach` tokens (the longest the step's sequences can become, prompt +
-        max_tokens), else twice the capacity needed, else exactly what the step needs. Reserved
-        memory that no row reaches costs address space only (_zeros), while each growth copies the
-        mirror: under the earlier rule (rows from 8, capacity x1.5) the 64-request benchmark's
-        mirror grew five times, ~2.5 of its 29 s on a 2-vCPU Xeon."""
+        max_tokens; twice the capacity needed when unknown), else twice the capacity needed, else
+        exactly what the step needs. Reserved memory that no row reaches costs address space only
+        (_zeros), while each growth copies the mirror: under the earlier rule (rows from 8,
+        capacity x1.5) the 64-request benchmark's mirror grew five times, ~2.5 of its 29 s on a
+        2-vCPU Xeon."""
         cur_rows, cur_cap = (0, 0) if self.k is None else (self.k.shape[1], self.k.shape[3])
         if rows <= cur_rows and cap <= cur_cap:
             return True
-        # what the step and the rows held now (copied over) need; a growth may shrink the other
+        # what the step and the (packed) rows held now need; a growth may shrink the other
         need_rows, need_cap = max(rows, len(self.ids)), max(cap, int(self.lens.max(initial=0)))
         per_row = self._bytes(1, 1)
-        for c in (reach, 2 * need_cap, need_cap):
+        for c in (reach if reach >= need_cap else 2 * need_cap, 2 * need_cap, need_cap):
             c = -(-max(c, need_cap) // _GROW) * _GROW
             r = min(max(need_rows, self.max_rows or 2 * cur_rows), self.max_bytes // (per_row * c))
             if r >= need_rows:
@@ -100,7 +101,7 @@ class DecodeMirror:
         shape = (L, rows, kvh, cap, hd)
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        buf = mmap.mmap(-1, self._bytes(rows, cap) // 2)
+        buf = mmap.mmap(-1, self._bytes(rows, cap) // 2, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         return torch.frombuffer(buf, dtype=self.dtype).view(shape)  # the tensor keeps buf alive
 
     def reset(self) -> None:
@@ -115,9 +116,6 @@ class DecodeMirror:
         # (not after a preemption, not a new sequence under a reused id).
         alive = [wanted.get(sid) == self.lens[r] + 1 for r, sid in enumerate(self.ids)]
         n_alive = sum(alive)
-        if not self._ensure(len(ids), int(lens.max()), reach):
-            self.reset()
-            return None
         holes = [r for r in range(n_alive) if not alive[r]]
         movers = [r for r in range(n_alive, len(self.ids)) if alive[r]]
         if movers:  # pack: move the few live rows past the front into the front's holes
@@ -129,6 +127,9 @@ class DecodeMirror:
             for h, m in zip(holes, movers):
                 self.ids[h], self.lens[h] = self.ids[m], self.lens[m]
         self.ids, self.lens = self.ids[:n_alive], self.lens[:n_alive].copy()
+        if not self._ensure(len(ids), int(lens.max()), reach):  # after packing: live rows only
+            self.reset()
+            return None
         keep = {sid: r for r, sid in enumerate(self.ids)}
         rows = np.empty(len(ids), dtype=np.int64)
         new_lens = np.zeros(len(ids), dtype=np.int64)

@@ -98,7 +98,9 @@ def _sample_kernel(x_ptr, inv_t_ptr, u_ptr, out_ptr, part_ptr, count_ptr, V, str
 
 
 def sample_from_cdf(x: torch.Tensor, inv_temp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Same contract as reference.sample_from_cdf; x [rows, vocab] in any float dtype, unit stride."""
+    """reference.sample_from_cdf's contract, x [rows, vocab] in any float dtype, unit stride, except
+    that tokens under ~e^-79 of the row's top probability keep their (tiny) mass here: the two
+    differ only for a u within that mass of 0 or of a flushed token's interval."""
     B, V = x.shape
     assert x.stride(1) == 1
     out = torch.empty(B, dtype=torch.int64, device=x.device)

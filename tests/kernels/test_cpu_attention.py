@@ -14,8 +14,8 @@ from arcserve.kernels.reference import AttentionMetadata
 BS, KVH, H, D, LAYERS, NB = 4, 2, 6, 8, 2, 400
 
 
-def make_meta(batch, block_tables, mirror):
-    """batch: list of (seq_id, start, n_new)."""
+def make_meta(batch, block_tables, mirror, reach=None):
+    """batch: list of (seq_id, start, n_new); reach: how long every sequence can become."""
     q_lens = np.array([n for _, _, n in batch])
     qsl = np.zeros(len(batch) + 1, dtype=np.int64)
     np.cumsum(q_lens, out=qsl[1:])
@@ -33,7 +33,7 @@ def make_meta(batch, block_tables, mirror):
         block_tables=torch.from_numpy(tables).int(),
         slot_mapping=torch.tensor(slots),
         host={"query_start_loc": qsl, "seq_lens": seq_lens, "seq_ids": np.array([b[0] for b in batch]),
-              "decode_mirror": mirror},
+              "decode_mirror": mirror, "max_lens": None if reach is None else np.full(len(batch), reach)},
     )  # fmt: skip
 
 
@@ -52,23 +52,29 @@ def test_mirror_dtype_follows_the_cpu(native, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "seed,window,budget,dtype,native",
-    [(0, None, 1 << 30, torch.float32, False), (1, 7, 1 << 30, torch.float32, False),
-     (2, None, 1 << 30, torch.float32, False), (3, None, 4000, torch.float32, False),
-     (4, None, 1 << 30, torch.bfloat16, False), (5, 7, 1 << 30, torch.bfloat16, False),
-     (6, None, 1 << 30, torch.bfloat16, True), (7, 7, 1 << 30, torch.bfloat16, True)],
+    "seed,window,budget,dtype,native,sizing",
+    [(0, None, 1 << 30, torch.float32, False, False), (1, 7, 1 << 30, torch.float32, False, False),
+     (2, None, 1 << 30, torch.float32, False, True), (3, None, 4000, torch.float32, False, False),
+     (4, None, 1 << 30, torch.bfloat16, False, False), (5, 7, 1 << 30, torch.bfloat16, False, True),
+     (6, None, 1 << 30, torch.bfloat16, True, False), (7, 7, 1 << 30, torch.bfloat16, True, True),
+     (8, None, 2 * LAYERS * KVH * D * 4 * 5 * 24, torch.float32, False, True),
+     (9, None, 2 * LAYERS * KVH * D * 2 * 4 * 40, torch.bfloat16, True, True)],
 )  # fmt: skip
-def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dtype, native, monkeypatch):
+def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dtype, native, sizing, monkeypatch):
     """bf16 against the reference in float32 on the same bf16 values: native=False, the float32
     mirror of a CPU without native half products (outputs differ by their rounding to bf16 only);
-    native=True, a bf16 mirror through SDPA's GQA form."""
+    native=True, a bf16 mirror through SDPA's GQA form. sizing: the engine's max_rows and reach
+    hints, with an 8-token growth grain; the last two budgets hold only a few rows or tokens, so
+    growths shrink one dimension to widen the other and some steps fall back."""
     monkeypatch.setattr(cpu_attention, "MIN_MIRROR_CONTEXT", 1)  # tiny contexts: always mirror
     monkeypatch.setattr(reference, "native_half_matmul", lambda dtype: native)
+    if sizing:
+        monkeypatch.setattr(cpu_attention, "_GROW", 8)
     rng = random.Random(seed)
     torch.manual_seed(seed)
     kc = [torch.randn(NB, BS, KVH, D).to(dtype) for _ in range(LAYERS)]
     vc = [torch.randn(NB, BS, KVH, D).to(dtype) for _ in range(LAYERS)]
-    mirror = cpu_attention.DecodeMirror(LAYERS, KVH, D, dtype, torch.device("cpu"), budget)
+    mirror = cpu_attention.DecodeMirror(LAYERS, KVH, D, dtype, torch.device("cpu"), budget, max_rows=6 if sizing else None)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
     assert mirror.gqa_form == native
     free = list(range(NB))
@@ -99,7 +105,7 @@ def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dt
             batch.append((sid, done, n))
         if not batch:
             continue
-        meta_fast = make_meta(batch, tables, mirror)
+        meta_fast = make_meta(batch, tables, mirror, reach=16 * BS if sizing else None)
         meta_ref = make_meta(batch, tables, None)
         T = int(meta_fast.host["query_start_loc"][-1])
         for layer in range(LAYERS):
@@ -178,9 +184,15 @@ def test_mirror_growth_rule():
         assert m.plan(np.arange(40), np.full(40, 100 + step), blocks[:40], BS, reach=500) is not None
     assert m.k is k
     m.k[0, 0, 0, :4] = 7.0  # row 0 holds tokens; a growth must carry them
-    assert m.plan(np.arange(40), np.full(40, 600), blocks[:40], BS, reach=700) is not None
+    m.k[0, 1, 0, :4] = 5.0  # and row 1 too, though its sequence is gone: it must not survive
+    lens = np.r_[452, np.full(39, 600)]  # sequence 0 decodes on; the others are new, longer ones
+    assert m.plan(np.r_[0, np.arange(100, 139)], lens, blocks[:40], BS, reach=700) is not None
     assert m.k.shape[1] == 42 and m.k.shape[3] == 640  # 48 rows of 768 do not fit: what fits at the need
-    assert float(m.k[0, 0, 0, :4].sum()) == 7.0 * 4 * D
+    assert float(m.k[0, 0, 0, :4].sum()) == 7.0 * 4 * D and float(m.k[0, 1, 0, :4].sum()) == 0.0
+    # with no reach known, a growth takes twice the capacity needed
+    free = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, cpu, 1 << 30)
+    assert free.plan(np.arange(2), np.array([300, 10]), blocks[:2], BS) is not None
+    assert free.k.shape[1] == 2 and free.k.shape[3] == 640
     small = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, cpu, per * 32 * 384, max_rows=48)
     assert small.plan(np.arange(30), np.full(30, 300), blocks[:30], BS, reach=2000) is not None
     assert small.k.shape[1] == 32 and small.k.shape[3] == 384  # the rows that fit at the capacity needed
