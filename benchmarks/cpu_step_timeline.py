@@ -18,20 +18,14 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from offline_throughput import workload  # noqa: E402
+from offline_throughput import workload, workload_args  # noqa: E402
 
 OPS = ("add_rms_norm_linear", "qkv_prepare", "paged_attention", "linear", "silu_mul_linear", "fused_add_rms_norm")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--min-len", type=int, default=64)
-    p.add_argument("--max-len", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
+    workload_args(p)
     p.add_argument("--slowest", type=int, default=8, help="list this many slowest steps")
     a = p.parse_args()
 

@@ -82,8 +82,8 @@ def run_engine(a: argparse.Namespace) -> dict:
     return result
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def workload_args(p: argparse.ArgumentParser) -> None:
+    """The model and workload flags (also benchmarks/cpu_step_timeline.py's)."""
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -91,6 +91,11 @@ def main() -> None:
     p.add_argument("--min-len", type=int, default=64)
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    workload_args(p)
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="arcserve only")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vLLM: run it too")
     p.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager=True")
