@@ -62,7 +62,6 @@ class _DraftSeq:
 
     def __init__(self, req: Request) -> None:
         self.request_id, self.seq_no = req.request_id, req.seq_no
-        self.num_prompt_tokens, self.max_tokens = req.num_prompt_tokens, req.max_tokens
         self.token_ids: list[int] = req.token_ids  # the request's own list, read only
         self.num_computed_tokens = 0  # positions in the draft's cache
         self.params, self.seed, self.sampling_row, self.prompt_logprobs = _ARGMAX, None, None, None

@@ -171,7 +171,7 @@ class ModelRunner:
             budget = min(self.kv.numel() * self.kv.element_size(), memory_info(self.device)[0] // 4)
             self.decode_mirror = model.ops.make_decode_mirror(
                 cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, self.device, budget,
-                max_rows=max_num_seqs,
+                max_rows=max_num_seqs, max_len=self.max_model_len,
             )
 
     def _host_inputs(self, out: SchedulerOutput) -> dict:
@@ -208,11 +208,8 @@ class ModelRunner:
         positions = np.arange(T) - qsl[:-1][seq_of_token] + starts[seq_of_token]
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
         seq_ids = np.fromiter((s.request.seq_no for s in seqs), dtype=np.int64, count=len(seqs))
-        # how long each sequence can become: the CPU decode mirror sizes its growths by it
-        max_lens = None if self.decode_mirror is None else np.fromiter(
-            (s.request.num_prompt_tokens + s.request.max_tokens for s in seqs), np.int64, len(seqs))  # fmt: skip
         return {"ids": ids, "positions": positions, "q_lens": q_lens, "qsl": qsl, "seq_lens": seq_lens,
-                "tables": tables, "slots": slots, "seq_ids": seq_ids, "max_lens": max_lens,
+                "tables": tables, "slots": slots, "seq_ids": seq_ids,
                 "feed_dst": np.asarray(feed_dst, dtype=np.int64), "feed_src": np.asarray(feed_src, dtype=np.int64)}  # fmt: skip
 
     def _prepare(self, h: dict) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -226,7 +223,6 @@ class ModelRunner:
                 "query_start_loc": h["qsl"],
                 "seq_lens": h["seq_lens"],
                 "seq_ids": h["seq_ids"],
-                "max_lens": h["max_lens"],
                 "decode_mirror": self.decode_mirror,
             },
         )

@@ -36,13 +36,14 @@ MIN_MIRROR_CONTEXT = 1024
 
 class DecodeMirror:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype, device, max_bytes: int,
-                 max_rows: int | None = None) -> None:  # fmt: skip
-        """max_bytes bounds the buffers' size; max_rows (the engine's max_num_seqs) bounds a growth."""
+                 max_rows: int | None = None, max_len: int | None = None) -> None:  # fmt: skip
+        """max_bytes bounds the buffers' size; max_rows and max_len (the engine's max_num_seqs and
+        max_model_len) are what a growth reserves when the budget allows."""
         self.shape = (num_layers, kv_heads, head_dim)
         # a float32 mirror of a half cache where the CPU emulates half products (see above)
         upcast = dtype in (torch.float16, torch.bfloat16) and not reference.native_half_matmul(dtype)
         self.dtype = torch.float32 if upcast else dtype
-        self.device, self.max_bytes, self.max_rows = device, max_bytes, max_rows
+        self.device, self.max_bytes, self.max_rows, self.max_len = device, max_bytes, max_rows, max_len
         self.min_context = 0 if upcast else MIN_MIRROR_CONTEXT
         self.k: torch.Tensor | None = None  # [layers, rows, kvh, cap, hd]
         self.v: torch.Tensor | None = None
@@ -61,11 +62,10 @@ class DecodeMirror:
         L, kvh, hd = self.shape
         return 2 * L * rows * kvh * cap * hd * torch.empty((), dtype=self.dtype).element_size()
 
-    def _ensure(self, rows: int, cap: int, reach: int) -> bool:
+    def _ensure(self, rows: int, cap: int) -> bool:
         """Room for `rows` rows of `cap` tokens. A growth reserves as much as the budget allows: up
-        to max_rows rows of `reach` tokens (the longest the step's sequences can become, prompt +
-        max_tokens; twice the capacity needed when unknown), else twice the capacity needed, else
-        exactly what the step needs. Reserved memory that no row reaches costs address space only
+        to max_rows rows of max_len tokens, else twice the capacity needed, else exactly what the
+        step needs. Reserved memory that no row reaches costs address space only
         (_zeros), while each growth copies the mirror: under the earlier rule (rows from 8,
         capacity x1.5) the 64-request benchmark's mirror grew five times, ~2.5 of its 29 s on a
         2-vCPU Xeon."""
@@ -75,7 +75,7 @@ class DecodeMirror:
         # what the step and the (packed) rows held now need; a growth may shrink the other
         need_rows, need_cap = max(rows, len(self.ids)), max(cap, int(self.lens.max(initial=0)))
         per_row = self._bytes(1, 1)
-        for c in (reach if reach >= need_cap else 2 * need_cap, 2 * need_cap, need_cap):
+        for c in (self.max_len or 2 * need_cap, 2 * need_cap, need_cap):
             c = -(-max(c, need_cap) // _GROW) * _GROW
             r = min(max(need_rows, self.max_rows or 2 * cur_rows), self.max_bytes // (per_row * c))
             if r >= need_rows:
@@ -92,24 +92,20 @@ class DecodeMirror:
 
     def _zeros(self, rows: int, cap: int) -> torch.Tensor:
         """[layers, rows, kvh, cap, hd] zeros (zeros, not empty: masked positions still meet V in
-        the softmax-weighted sum, and 0 * NaN from uninitialised memory would poison the output).
-        On the CPU they come from an anonymous mapping, which the OS zero-fills page by page at the
-        first touch: only the positions rows reach cost memory and page faults. (torch.zeros writes
-        every byte at once; with ~4 GB resident, fresh pages cost this VM ~7x more to fault in
-        than with 2 GB, 0.33 s per 189 MB, so an up-front zeroing stalls the step that grows.)"""
+        the softmax-weighted sum, and 0 * NaN from uninitialised memory would poison the output),
+        from an anonymous mapping, which the OS zero-fills page by page at the first touch: only the
+        positions rows reach cost memory and page faults. (torch.zeros writes every byte at once;
+        with ~4 GB resident, fresh pages cost this VM ~7x more to fault in than with 2 GB, 0.33 s
+        per 189 MB, so an up-front zeroing stalls the step that grows.)"""
         L, kvh, hd = self.shape
-        shape = (L, rows, kvh, cap, hd)
-        if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
         buf = mmap.mmap(-1, self._bytes(rows, cap) // 2, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        return torch.frombuffer(buf, dtype=self.dtype).view(shape)  # the tensor keeps buf alive
+        return torch.frombuffer(buf, dtype=self.dtype).view(L, rows, kvh, cap, hd)  # the tensor keeps buf alive
 
     def reset(self) -> None:
         self.ids, self.lens = [], np.zeros(0, dtype=np.int64)
 
-    def plan(self, ids: np.ndarray, lens: np.ndarray, block_tables: torch.Tensor, block_size: int, reach: int = 0):
-        """Assign rows to this step's decoding sequences (ids; context lengths after the step;
-        reach: the longest any sequence of the step can become, for a growth's capacity).
+    def plan(self, ids: np.ndarray, lens: np.ndarray, block_tables: torch.Tensor, block_size: int):
+        """Assign rows to this step's decoding sequences (ids; context lengths after the step).
         Returns (row of each decode token, refill info or None), or None to fall back to gathering."""
         wanted = {int(s): int(n) for s, n in zip(ids, lens)}
         # A row survives if its sequence decodes now and continues exactly where the row ends
@@ -127,7 +123,7 @@ class DecodeMirror:
             for h, m in zip(holes, movers):
                 self.ids[h], self.lens[h] = self.ids[m], self.lens[m]
         self.ids, self.lens = self.ids[:n_alive], self.lens[:n_alive].copy()
-        if not self._ensure(len(ids), int(lens.max()), reach):  # after packing: live rows only
+        if not self._ensure(len(ids), int(lens.max())):  # after packing: live rows only
             self.reset()
             return None
         keep = {sid: r for r, sid in enumerate(self.ids)}
@@ -205,9 +201,7 @@ def _plan(meta: AttentionMetadata, block_size: int, mirror: DecodeMirror | None,
     dec = ((qsl[1:] - qsl[:-1]) == 1).nonzero()[0]
     if mirror is not None and len(dec) and seq_lens[dec].sum() >= mirror.min_context:
         lens = seq_lens[dec]
-        reach = meta.host.get("max_lens")
-        got = mirror.plan(meta.host["seq_ids"][dec], lens, meta.block_tables[torch.from_numpy(dec)], block_size,
-                          0 if reach is None else int(reach.max()))  # fmt: skip
+        got = mirror.plan(meta.host["seq_ids"][dec], lens, meta.block_tables[torch.from_numpy(dec)], block_size)
         if got is not None:
             rows, fill = got
             order = np.empty_like(rows)

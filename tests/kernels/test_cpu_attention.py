@@ -14,8 +14,8 @@ from arcserve.kernels.reference import AttentionMetadata
 BS, KVH, H, D, LAYERS, NB = 4, 2, 6, 8, 2, 400
 
 
-def make_meta(batch, block_tables, mirror, reach=None):
-    """batch: list of (seq_id, start, n_new); reach: how long every sequence can become."""
+def make_meta(batch, block_tables, mirror):
+    """batch: list of (seq_id, start, n_new)."""
     q_lens = np.array([n for _, _, n in batch])
     qsl = np.zeros(len(batch) + 1, dtype=np.int64)
     np.cumsum(q_lens, out=qsl[1:])
@@ -33,7 +33,7 @@ def make_meta(batch, block_tables, mirror, reach=None):
         block_tables=torch.from_numpy(tables).int(),
         slot_mapping=torch.tensor(slots),
         host={"query_start_loc": qsl, "seq_lens": seq_lens, "seq_ids": np.array([b[0] for b in batch]),
-              "decode_mirror": mirror, "max_lens": None if reach is None else np.full(len(batch), reach)},
+              "decode_mirror": mirror},
     )  # fmt: skip
 
 
@@ -63,7 +63,7 @@ def test_mirror_dtype_follows_the_cpu(native, monkeypatch):
 def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dtype, native, sizing, monkeypatch):
     """bf16 against the reference in float32 on the same bf16 values: native=False, the float32
     mirror of a CPU without native half products (outputs differ by their rounding to bf16 only);
-    native=True, a bf16 mirror through SDPA's GQA form. sizing: the engine's max_rows and reach
+    native=True, a bf16 mirror through SDPA's GQA form. sizing: the engine's max_rows and max_len
     hints, with an 8-token growth grain; the last two budgets hold only a few rows or tokens, so
     growths shrink one dimension to widen the other and some steps fall back."""
     monkeypatch.setattr(cpu_attention, "MIN_MIRROR_CONTEXT", 1)  # tiny contexts: always mirror
@@ -74,7 +74,8 @@ def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dt
     torch.manual_seed(seed)
     kc = [torch.randn(NB, BS, KVH, D).to(dtype) for _ in range(LAYERS)]
     vc = [torch.randn(NB, BS, KVH, D).to(dtype) for _ in range(LAYERS)]
-    mirror = cpu_attention.DecodeMirror(LAYERS, KVH, D, dtype, torch.device("cpu"), budget, max_rows=6 if sizing else None)
+    mirror = cpu_attention.DecodeMirror(LAYERS, KVH, D, dtype, torch.device("cpu"), budget,
+                                        max_rows=6 if sizing else None, max_len=16 * BS if sizing else None)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
     assert mirror.gqa_form == native
     free = list(range(NB))
@@ -105,7 +106,7 @@ def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dt
             batch.append((sid, done, n))
         if not batch:
             continue
-        meta_fast = make_meta(batch, tables, mirror, reach=16 * BS if sizing else None)
+        meta_fast = make_meta(batch, tables, mirror)
         meta_ref = make_meta(batch, tables, None)
         T = int(meta_fast.host["query_start_loc"][-1])
         for layer in range(LAYERS):
@@ -168,32 +169,31 @@ def test_reference_paged_attention_matches_definition(seed, window):
 
 
 def test_mirror_growth_rule():
-    """A growth reserves max_rows rows of the step's reach (prompt + max_tokens) when the budget
-    allows, else twice the capacity needed, else exactly what the step needs; past that, None (the
+    """A growth reserves max_rows rows of max_len tokens when the budget allows, else twice the capacity needed, else exactly what the step needs; past that, None (the
     caller gathers). A batch that lengthens to its end keeps one buffer; rows keep their tokens
     through a growth; the reservation reads as zeros."""
     cpu = torch.device("cpu")
     per = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, cpu, 1)._bytes(1, 1)  # one row-position
     blocks = torch.zeros(64, 16, dtype=torch.int32)
-    m = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, cpu, per * 48 * 560, max_rows=48)
-    assert m.plan(np.arange(3), np.array([5, 9, 2]), blocks[:3], BS, reach=500) is not None
+    m = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, cpu, per * 48 * 560, max_rows=48, max_len=500)
+    assert m.plan(np.arange(3), np.array([5, 9, 2]), blocks[:3], BS) is not None
     k = m.k
-    assert k.shape[1] == 48 and k.shape[3] == 512  # every row, the reach rounded up to 128 tokens
+    assert k.shape[1] == 48 and k.shape[3] == 512  # every row, max_len rounded up to 128 tokens
     assert float(k.abs().sum()) == 0.0
-    for step in range(1, 400, 50):  # more rows, longer rows, up to the reach: no growth
-        assert m.plan(np.arange(40), np.full(40, 100 + step), blocks[:40], BS, reach=500) is not None
+    for step in range(1, 400, 50):  # more rows, longer rows, up to max_len: no growth
+        assert m.plan(np.arange(40), np.full(40, 100 + step), blocks[:40], BS) is not None
     assert m.k is k
     m.k[0, 0, 0, :4] = 7.0  # row 0 holds tokens; a growth must carry them
     m.k[0, 1, 0, :4] = 5.0  # and row 1 too, though its sequence is gone: it must not survive
-    lens = np.r_[452, np.full(39, 600)]  # sequence 0 decodes on; the others are new, longer ones
-    assert m.plan(np.r_[0, np.arange(100, 139)], lens, blocks[:40], BS, reach=700) is not None
-    assert m.k.shape[1] == 42 and m.k.shape[3] == 640  # 48 rows of 768 do not fit: what fits at the need
+    lens = np.r_[452, np.full(39, 600)]  # sequence 0 decodes on; the others are new, past max_len
+    assert m.plan(np.r_[0, np.arange(100, 139)], lens, blocks[:40], BS) is not None
+    assert m.k.shape[1] == 42 and m.k.shape[3] == 640  # 48 rows of 1,280 (twice 600) do not fit: what fits at the need
     assert float(m.k[0, 0, 0, :4].sum()) == 7.0 * 4 * D and float(m.k[0, 1, 0, :4].sum()) == 0.0
-    # with no reach known, a growth takes twice the capacity needed
+    # without max_len, a growth takes twice the capacity needed
     free = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, cpu, 1 << 30)
     assert free.plan(np.arange(2), np.array([300, 10]), blocks[:2], BS) is not None
     assert free.k.shape[1] == 2 and free.k.shape[3] == 640
-    small = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, cpu, per * 32 * 384, max_rows=48)
-    assert small.plan(np.arange(30), np.full(30, 300), blocks[:30], BS, reach=2000) is not None
+    small = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, cpu, per * 32 * 384, max_rows=48, max_len=2000)
+    assert small.plan(np.arange(30), np.full(30, 300), blocks[:30], BS) is not None
     assert small.k.shape[1] == 32 and small.k.shape[3] == 384  # the rows that fit at the capacity needed
-    assert small.plan(np.arange(33), np.full(33, 301), blocks[:33], BS, reach=2000) is None
+    assert small.plan(np.arange(33), np.full(33, 301), blocks[:33], BS) is None
