@@ -56,3 +56,28 @@ def test_cli_engine_flags_map_onto_engine_args():
     assert a.gpu_memory_utilization == 0.5
     assert engine_args_from(p.parse_args(["m", "--async-scheduling"])).async_scheduling is True
     assert engine_args_from(p.parse_args(["m"])).async_scheduling is None  # the device decides
+
+
+def test_cpu_default_budget_is_shared_with_the_decode_mirror(llama_dir, monkeypatch):
+    """On the CPU the default KV budget holds the paged cache and the decode mirror, half each, and the
+    mirror's arena is written at startup (no growth maps fresh pages mid-run); a budget or block
+    count given by the user is the paged cache's alone and the mirror maps its pages as it grows."""
+    from arcserve.engine import engine as engine_mod
+    from arcserve.engine.runner import kv_cache_bytes_per_block
+
+    budget = 1 << 20
+    monkeypatch.setattr(engine_mod, "_CPU_KV_DEFAULT", budget)
+    llm = LLM(model=str(llama_dir), max_model_len=256, max_num_seqs=64)
+    eng = llm.llm_engine
+    per_block = kv_cache_bytes_per_block(eng.model, eng.args.block_size)
+    assert eng.kv.pool.num_blocks == (budget // 2) // per_block
+    mirror = eng.runner.decode_mirror
+    k, v = mirror.arena
+    assert k.numel() * k.element_size() + v.numel() * v.element_size() == budget - budget // 2
+    assert mirror.max_bytes == budget - budget // 2
+    out = llm.generate("hello there", SamplingParams(temperature=0, max_tokens=8))[0]
+    assert len(out.outputs[0].token_ids) == 8
+
+    own = LLM(model=str(llama_dir), max_model_len=256, max_num_seqs=64, kv_cache_memory_bytes=budget)
+    assert own.llm_engine.kv.pool.num_blocks == budget // per_block
+    assert own.llm_engine.runner.decode_mirror.arena is None  # made, lazily mapped, at its first growth

@@ -66,9 +66,9 @@ class LLMEngine(InputProcessor):
             from arcserve.engine.draft import load_draft_model
 
             self.draft_model = load_draft_model(spec.model, self, ops)
-        num_blocks = self._num_kv_blocks()
+        num_blocks, mirror_bytes = self._num_kv_blocks()
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, args.seed, self.max_model_len,
-                                  args.max_num_seqs)  # fmt: skip
+                                  args.max_num_seqs, mirror_bytes)  # fmt: skip
         if self.runner.graphs_possible(args.enforce_eager):
             t0 = time.time()
             n = self.runner.capture_graphs(self.max_num_batched_tokens)
@@ -111,8 +111,11 @@ class LLMEngine(InputProcessor):
                         spec.num_speculative_tokens)  # fmt: skip
 
     # ---- startup ----------------------------------------------------------------------------
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self) -> tuple[int, int | None]:
+        """The paged cache's blocks, and the bytes the CPU's decode mirror gets from the default
+        budget (None: the mirror sizes itself, see ModelRunner)."""
         a = self.args
+        mirror_bytes = None
         per_block = kv_cache_bytes_per_block(self.model, a.block_size)
         if self.draft_model is not None:  # the draft's cache has as many blocks as the target's
             per_block += kv_cache_bytes_per_block(self.draft_model, a.block_size)
@@ -125,6 +128,12 @@ class LLMEngine(InputProcessor):
             elif budget is None:
                 free, _ = memory_info(self.device)
                 budget = min(_CPU_KV_DEFAULT, int(free * 0.3))
+                if self.model.ops.make_decode_mirror is not None:
+                    # Half for the decode mirror (kernels/cpu_attention.py), written at startup like
+                    # the paged cache: pages first touched mid-run cost the 64-request benchmark
+                    # ~17% of its time on a 2-vCPU VM (docs/BENCHMARKS.md).
+                    mirror_bytes = budget - budget // 2
+                    budget //= 2
             num_blocks = max(0, budget) // per_block
             if a.kv_cache_memory_bytes is None:  # no use for more than every sequence at full length
                 num_blocks = min(num_blocks, a.max_num_seqs * -(-self.max_model_len // a.block_size))
@@ -136,10 +145,11 @@ class LLMEngine(InputProcessor):
                 f"{tokens}: lower max_model_len or give the KV cache more memory/blocks."
             )
         logger.info(
-            "KV cache: %d blocks = %d tokens; max concurrency at max_model_len %d: %.2f",
+            "KV cache: %d blocks = %d tokens; max concurrency at max_model_len %d: %.2f%s",
             num_blocks, tokens, self.max_model_len, tokens / self.max_model_len,
+            "" if mirror_bytes is None else f"; decode mirror: {mirror_bytes / 2**30:.2f} GiB",
         )  # fmt: skip
-        return num_blocks
+        return num_blocks, mirror_bytes
 
     def _gpu_kv_budget(self) -> int:
         """gpu_memory_utilization of the device's memory, minus what is in use now (weights, context,

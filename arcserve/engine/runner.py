@@ -147,7 +147,11 @@ def profile_peak_activations(model: DecoderModel, num_tokens: int, max_model_len
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, seed: int,
-                 max_model_len: int | None = None, max_num_seqs: int = 256) -> None:  # fmt: skip
+                 max_model_len: int | None = None, max_num_seqs: int = 256,
+                 mirror_bytes: int | None = None) -> None:  # fmt: skip
+        """mirror_bytes: memory for the CPU's decode mirror, written at startup (the engine carves
+        it out of the KV cache's default budget); None: bounded by the KV cache's size and a
+        quarter of the free memory, mapped as the mirror grows."""
         self.model = model
         self.block_size = block_size
         self.device = model.device
@@ -167,11 +171,12 @@ class ModelRunner:
         self._last_rows: dict[str, int] = {}
         self.decode_mirror = None
         if model.ops.make_decode_mirror is not None:
-            # Bounded by the KV cache's own size and a quarter of the memory free now.
-            budget = min(self.kv.numel() * self.kv.element_size(), memory_info(self.device)[0] // 4)
+            budget = mirror_bytes
+            if budget is None:
+                budget = min(self.kv.numel() * self.kv.element_size(), memory_info(self.device)[0] // 4)
             self.decode_mirror = model.ops.make_decode_mirror(
                 cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, self.device, budget,
-                max_rows=max_num_seqs, max_len=self.max_model_len,
+                max_rows=max_num_seqs, max_len=self.max_model_len, prefault=mirror_bytes is not None,
             )
 
     def _host_inputs(self, out: SchedulerOutput) -> dict:

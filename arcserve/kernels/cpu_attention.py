@@ -36,19 +36,23 @@ MIN_MIRROR_CONTEXT = 1024
 
 class DecodeMirror:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype, device, max_bytes: int,
-                 max_rows: int | None = None, max_len: int | None = None) -> None:  # fmt: skip
+                 max_rows: int | None = None, max_len: int | None = None, prefault: bool = False) -> None:  # fmt: skip
         """max_bytes bounds the buffers' size; max_rows and max_len (the engine's max_num_seqs and
-        max_model_len) are what a growth reserves when the budget allows."""
+        max_model_len) are what a growth reserves when the budget allows. prefault: write the
+        whole arena now (the engine's startup) rather than at each page's first use (see _arena)."""
         self.shape = (num_layers, kv_heads, head_dim)
         # a float32 mirror of a half cache where the CPU emulates half products (see above)
         upcast = dtype in (torch.float16, torch.bfloat16) and not reference.native_half_matmul(dtype)
         self.dtype = torch.float32 if upcast else dtype
+        if prefault and max_rows and max_len:  # written now: no more than max_rows rows of max_len tokens
+            max_bytes = min(max_bytes, self._bytes(max_rows, -(-max_len // _GROW) * _GROW))
         self.device, self.max_bytes, self.max_rows, self.max_len = device, max_bytes, max_rows, max_len
         self.min_context = 0 if upcast else MIN_MIRROR_CONTEXT
-        self.k: torch.Tensor | None = None  # [layers, rows, kvh, cap, hd]
+        self.k: torch.Tensor | None = None  # [layers, rows, kvh, cap, hd], a view of the arena
         self.v: torch.Tensor | None = None
         self.ids: list[int] = []  # seq id held by each row
         self.lens = np.zeros(0, dtype=np.int64)  # tokens valid in each row
+        self.arena = self._arena(prefault) if prefault else None  # made at the first growth otherwise
 
     @property
     def gqa_form(self) -> bool:
@@ -63,12 +67,12 @@ class DecodeMirror:
         return 2 * L * rows * kvh * cap * hd * torch.empty((), dtype=self.dtype).element_size()
 
     def _ensure(self, rows: int, cap: int) -> bool:
-        """Room for `rows` rows of `cap` tokens. A growth reserves as much as the budget allows: up
+        """Room for `rows` rows of `cap` tokens. A growth takes as much as the budget allows: up
         to max_rows rows of max_len tokens, else twice the capacity needed, else exactly what the
-        step needs. Reserved memory that no row reaches costs address space only
-        (_zeros), while each growth copies the mirror: under the earlier rule (rows from 8,
-        capacity x1.5) the 64-request benchmark's mirror grew five times, ~2.5 of its 29 s on a
-        2-vCPU Xeon."""
+        step needs. Every layout is a view of one arena of max_bytes, so a growth only moves the
+        held rows' tokens within it (under an earlier rule, rows from 8 and capacity x1.5 in new
+        buffers, the 64-request benchmark's mirror grew five times, ~2.5 of its 29 s on a 2-vCPU
+        Xeon)."""
         cur_rows, cur_cap = (0, 0) if self.k is None else (self.k.shape[1], self.k.shape[3])
         if rows <= cur_rows and cap <= cur_cap:
             return True
@@ -82,24 +86,36 @@ class DecodeMirror:
                 break
         else:
             return False
-        k, v = self._zeros(r, c), self._zeros(r, c)
-        if self.k is not None and self.ids:
+        if self.arena is None:
+            self.arena = self._arena(False)
+        L, kvh, hd = self.shape
+        k, v = (a[:, : r * kvh * c * hd].view(L, r, kvh, c, hd) for a in self.arena)
+        if self.k is not None and self.ids:  # the held rows' tokens, to their places in the new layout
             n, m = len(self.ids), int(self.lens.max())
-            k[:, :n, :, :m] = self.k[:, :n, :, :m]
-            v[:, :n, :, :m] = self.v[:, :n, :, :m]
+            for layer in range(L):  # the layouts overlap: each layer's rows are copied out first
+                for new, old in ((k, self.k), (v, self.v)):
+                    new[layer, :n, :, :m] = old[layer, :n, :, :m].clone()
         self.k, self.v = k, v
         return True
 
-    def _zeros(self, rows: int, cap: int) -> torch.Tensor:
-        """[layers, rows, kvh, cap, hd] zeros (zeros, not empty: masked positions still meet V in
-        the softmax-weighted sum, and 0 * NaN from uninitialised memory would poison the output),
-        from an anonymous mapping, which the OS zero-fills page by page at the first touch: only the
-        positions rows reach cost memory and page faults. (torch.zeros writes every byte at once;
-        with ~4 GB resident, fresh pages cost this VM ~7x more to fault in than with 2 GB, 0.33 s
-        per 189 MB, so an up-front zeroing stalls the step that grows.)"""
-        L, kvh, hd = self.shape
-        buf = mmap.mmap(-1, self._bytes(rows, cap) // 2, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        return torch.frombuffer(buf, dtype=self.dtype).view(L, rows, kvh, cap, hd)  # the tensor keeps buf alive
+    def _arena(self, prefault: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V storage, [layers, elements] each, of max_bytes together, zero-filled (zeros,
+        not empty: masked positions still meet V in the softmax-weighted sum, and 0 * NaN from
+        uninitialised memory would poison the output).
+
+        prefault=False: an anonymous mapping that the OS zero-fills page by page at the first
+        touch, so only the positions rows reach cost memory. prefault=True: torch.zeros, every page
+        written now. The engine prefaults the mirror at startup out of the KV cache's memory budget
+        (as it does the paged cache): on the 2-vCPU VMs measured here, a page touched for the first
+        time costs ~2-5 ms per MB, and the 64-request benchmark's mirror touched ~860 MB mid-run
+        (26.5 s against 21.9 s for the same run with the pages already mapped)."""
+        L, size = self.shape[0], torch.empty((), dtype=self.dtype).element_size()
+        n = self.max_bytes // (2 * L * size)
+        if prefault:
+            return torch.zeros(L, n, dtype=self.dtype), torch.zeros(L, n, dtype=self.dtype)
+        buf = mmap.mmap(-1, max(1, 2 * L * n) * size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        both = torch.frombuffer(buf, dtype=self.dtype)[: 2 * L * n].view(2, L, n)  # the tensor keeps buf alive
+        return both[0], both[1]
 
     def reset(self) -> None:
         self.ids, self.lens = [], np.zeros(0, dtype=np.int64)

@@ -52,20 +52,26 @@ def test_mirror_dtype_follows_the_cpu(native, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "seed,window,budget,dtype,native,sizing",
-    [(0, None, 1 << 30, torch.float32, False, False), (1, 7, 1 << 30, torch.float32, False, False),
-     (2, None, 1 << 30, torch.float32, False, True), (3, None, 4000, torch.float32, False, False),
-     (4, None, 1 << 30, torch.bfloat16, False, False), (5, 7, 1 << 30, torch.bfloat16, False, True),
-     (6, None, 1 << 30, torch.bfloat16, True, False), (7, 7, 1 << 30, torch.bfloat16, True, True),
-     (8, None, 2 * LAYERS * KVH * D * 4 * 5 * 24, torch.float32, False, True),
-     (9, None, 2 * LAYERS * KVH * D * 2 * 4 * 40, torch.bfloat16, True, True)],
+    "seed,window,budget,dtype,native,sizing,prefault",
+    [(0, None, 1 << 30, torch.float32, False, False, False), (1, 7, 1 << 30, torch.float32, False, False, False),
+     (2, None, 1 << 30, torch.float32, False, True, False), (3, None, 4000, torch.float32, False, False, False),
+     (4, None, 1 << 30, torch.bfloat16, False, False, False), (5, 7, 1 << 30, torch.bfloat16, False, True, False),
+     (6, None, 1 << 30, torch.bfloat16, True, False, False), (7, 7, 1 << 30, torch.bfloat16, True, True, False),
+     (8, None, 2 * LAYERS * KVH * D * 4 * 5 * 24, torch.float32, False, True, False),
+     (9, None, 2 * LAYERS * KVH * D * 2 * 4 * 40, torch.bfloat16, True, True, False),
+     (10, 7, 1 << 30, torch.bfloat16, True, True, True),
+     (11, None, 2 * LAYERS * KVH * D * 4 * 5 * 24, torch.float32, False, True, True),
+     (12, None, 2 * LAYERS * KVH * D * 2 * 4 * 40, torch.bfloat16, True, True, True)],
 )  # fmt: skip
-def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dtype, native, sizing, monkeypatch):
+def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dtype, native, sizing, prefault,
+                                                         monkeypatch):  # fmt: skip
     """bf16 against the reference in float32 on the same bf16 values: native=False, the float32
     mirror of a CPU without native half products (outputs differ by their rounding to bf16 only);
     native=True, a bf16 mirror through SDPA's GQA form. sizing: the engine's max_rows and max_len
     hints, with an 8-token growth grain; the last two budgets hold only a few rows or tokens, so
-    growths shrink one dimension to widen the other and some steps fall back."""
+    growths shrink one dimension to widen the other and some steps fall back. prefault: the arena
+    written up front, as the engine makes it (every layout is a view of one arena either way, so a
+    growth moves rows within memory the old layout also uses)."""
     monkeypatch.setattr(cpu_attention, "MIN_MIRROR_CONTEXT", 1)  # tiny contexts: always mirror
     monkeypatch.setattr(reference, "native_half_matmul", lambda dtype: native)
     if sizing:
@@ -75,7 +81,9 @@ def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dt
     kc = [torch.randn(NB, BS, KVH, D).to(dtype) for _ in range(LAYERS)]
     vc = [torch.randn(NB, BS, KVH, D).to(dtype) for _ in range(LAYERS)]
     mirror = cpu_attention.DecodeMirror(LAYERS, KVH, D, dtype, torch.device("cpu"), budget,
-                                        max_rows=6 if sizing else None, max_len=16 * BS if sizing else None)
+                                        max_rows=6 if sizing else None, max_len=16 * BS if sizing else None,
+                                        prefault=prefault)  # fmt: skip
+    assert (mirror.arena is not None) == prefault
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
     assert mirror.gqa_form == native
     free = list(range(NB))
@@ -197,3 +205,25 @@ def test_mirror_growth_rule():
     assert small.plan(np.arange(30), np.full(30, 300), blocks[:30], BS) is not None
     assert small.k.shape[1] == 32 and small.k.shape[3] == 384  # the rows that fit at the capacity needed
     assert small.plan(np.arange(33), np.full(33, 301), blocks[:33], BS) is None
+
+
+@pytest.mark.parametrize("prefault", [False, True])
+def test_growth_carries_every_held_row(prefault):
+    """Layouts are views of one arena, so a growth that widens the rows moves each held row's tokens to
+    memory another row of the old layout occupied: every held row of every layer keeps its tokens."""
+    cpu = torch.device("cpu")
+    blocks = torch.zeros(8, 400, dtype=torch.int32)
+    m = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, cpu, 1 << 24, prefault=prefault)
+    lens = np.array([100, 50, 60, 90])
+    assert m.plan(np.arange(4), lens, blocks[:4], BS) is not None
+    assert m.k.shape[1] == 4 and m.k.shape[3] == 256
+    for buf in (m.k, m.v):
+        for r, n in enumerate(lens):
+            buf[:, r, :, :n] = torch.randn(LAYERS, KVH, int(n), D)
+    held = [(m.k[:, r, :, :n].clone(), m.v[:, r, :, :n].clone()) for r, n in enumerate(lens)]
+    # the four continue, a fifth arrives with a long context: the rows widen to 1,280 positions
+    assert m.plan(np.arange(5), np.r_[lens + 1, 600], blocks[:5], BS) is not None
+    assert m.k.shape[3] == 1280 and m.k.data_ptr() == m.arena[0].data_ptr()
+    for r, (k, v) in enumerate(held):
+        torch.testing.assert_close(m.k[:, r, :, : lens[r]], k, rtol=0, atol=0)
+        torch.testing.assert_close(m.v[:, r, :, : lens[r]], v, rtol=0, atol=0)
