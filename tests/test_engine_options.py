@@ -58,25 +58,42 @@ def test_cli_engine_flags_map_onto_engine_args():
     assert engine_args_from(p.parse_args(["m"])).async_scheduling is None  # the device decides
 
 
-def test_cpu_default_budget_is_shared_with_the_decode_mirror(llama_dir, monkeypatch):
-    """On the CPU the default KV budget holds the paged cache and the decode mirror, half each, and the
-    mirror's arena is written at startup (no growth maps fresh pages mid-run); a budget or block
-    count given by the user is the paged cache's alone and the mirror maps its pages as it grows."""
+def test_cpu_default_budget_is_shared_with_the_decode_mirror(llama_dir, monkeypatch, caplog):
+    """On the CPU the default KV budget holds the paged cache and the decode mirror: the mirror up to
+    half, no more than it can use (max_num_seqs rows of max_model_len tokens) and never so much that
+    one max_model_len sequence no longer fits the paged cache; its arena is written at startup (torch's
+    allocator, not a lazily mapped region), so no growth maps fresh pages mid-run. A budget given by
+    the user is the paged cache's alone, and the mirror maps its pages as it grows."""
     from arcserve.engine import engine as engine_mod
     from arcserve.engine.runner import kv_cache_bytes_per_block
 
+    def start(budget, **kw):
+        monkeypatch.setattr(engine_mod, "_CPU_KV_DEFAULT", budget)
+        llm = LLM(model=str(llama_dir), **kw)
+        out = llm.generate("hello there", SamplingParams(temperature=0, max_tokens=4))[0]
+        assert len(out.outputs[0].token_ids) == 4
+        eng = llm.llm_engine
+        per_block = kv_cache_bytes_per_block(eng.model, eng.args.block_size)
+        mirror = eng.runner.decode_mirror
+        arena = 0 if mirror.arena is None else sum(a.numel() * a.element_size() for a in mirror.arena)
+        return eng, per_block, mirror, arena
+
     budget = 1 << 20
-    monkeypatch.setattr(engine_mod, "_CPU_KV_DEFAULT", budget)
-    llm = LLM(model=str(llama_dir), max_model_len=256, max_num_seqs=64)
-    eng = llm.llm_engine
-    per_block = kv_cache_bytes_per_block(eng.model, eng.args.block_size)
-    assert eng.kv.pool.num_blocks == (budget // 2) // per_block
-    mirror = eng.runner.decode_mirror
-    k, v = mirror.arena
-    assert k.numel() * k.element_size() + v.numel() * v.element_size() == budget - budget // 2
-    assert mirror.max_bytes == budget - budget // 2
-    out = llm.generate("hello there", SamplingParams(temperature=0, max_tokens=8))[0]
-    assert len(out.outputs[0].token_ids) == 8
+    eng, per_block, mirror, arena = start(budget, max_model_len=256, max_num_seqs=64)
+    assert eng.kv.pool.num_blocks == (budget // 2) // per_block and arena == budget - budget // 2
+    assert all(a.untyped_storage().resizable() for a in mirror.arena)  # torch.zeros, not a mapping
+    # a small max_num_seqs caps the mirror at what it can use, and the startup line says so
+    caplog.clear()
+    with caplog.at_level("INFO", logger="arcserve"):
+        eng, per_block, mirror, arena = start(budget, max_model_len=128, max_num_seqs=2)
+    m = eng.model.cfg
+    most = mirror.largest_bytes(m.num_layers, m.num_kv_heads, m.head_dim, eng.model.dtype, 2, 128)
+    assert arena == most < budget // 2
+    assert f"decode mirror: {most / 2**20:.1f} MiB" in caplog.text
+    # a budget of 1.5 sequences: the paged cache keeps one whole sequence, the mirror gets the rest
+    one_seq = 256 // eng.args.block_size * per_block
+    eng, per_block, mirror, arena = start(one_seq * 3 // 2, max_model_len=256, max_num_seqs=64)
+    assert eng.kv.pool.num_blocks == 256 // eng.args.block_size and arena == one_seq * 3 // 2 - one_seq
 
     own = LLM(model=str(llama_dir), max_model_len=256, max_num_seqs=64, kv_cache_memory_bytes=budget)
     assert own.llm_engine.kv.pool.num_blocks == budget // per_block

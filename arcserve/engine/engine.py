@@ -128,12 +128,19 @@ class LLMEngine(InputProcessor):
             elif budget is None:
                 free, _ = memory_info(self.device)
                 budget = min(_CPU_KV_DEFAULT, int(free * 0.3))
-                if self.model.ops.make_decode_mirror is not None:
-                    # Half for the decode mirror (kernels/cpu_attention.py), written at startup like
-                    # the paged cache: pages first touched mid-run cost the 64-request benchmark
-                    # ~17% of its time on a 2-vCPU VM (docs/BENCHMARKS.md).
-                    mirror_bytes = budget - budget // 2
-                    budget //= 2
+                mirror = self.model.ops.make_decode_mirror
+                if mirror is not None:
+                    # Up to half for the decode mirror (kernels/cpu_attention.py), written at startup
+                    # like the paged cache: pages first touched mid-run cost the 64-request
+                    # benchmark ~17% of its time on a 2-vCPU VM (docs/BENCHMARKS.md). No more than
+                    # the mirror can use, and never so much that one max_model_len sequence no
+                    # longer fits the paged cache.
+                    cfg = self.model.cfg
+                    most = mirror.largest_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.model.dtype,
+                                                a.max_num_seqs, self.max_model_len)  # fmt: skip
+                    one_seq = -(-self.max_model_len // a.block_size) * per_block
+                    mirror_bytes = max(0, min(budget - budget // 2, most, budget - one_seq))
+                    budget -= mirror_bytes
             num_blocks = max(0, budget) // per_block
             if a.kv_cache_memory_bytes is None:  # no use for more than every sequence at full length
                 num_blocks = min(num_blocks, a.max_num_seqs * -(-self.max_model_len // a.block_size))
@@ -147,7 +154,7 @@ class LLMEngine(InputProcessor):
         logger.info(
             "KV cache: %d blocks = %d tokens; max concurrency at max_model_len %d: %.2f%s",
             num_blocks, tokens, self.max_model_len, tokens / self.max_model_len,
-            "" if mirror_bytes is None else f"; decode mirror: {mirror_bytes / 2**30:.2f} GiB",
+            "" if mirror_bytes is None else f"; decode mirror: {mirror_bytes / 2**20:.1f} MiB",
         )  # fmt: skip
         return num_blocks, mirror_bytes
 

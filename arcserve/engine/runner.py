@@ -150,8 +150,9 @@ class ModelRunner:
                  max_model_len: int | None = None, max_num_seqs: int = 256,
                  mirror_bytes: int | None = None) -> None:  # fmt: skip
         """mirror_bytes: memory for the CPU's decode mirror, written at startup (the engine carves
-        it out of the KV cache's default budget); None: bounded by the KV cache's size and a
-        quarter of the free memory, mapped as the mirror grows."""
+        it out of the KV cache's default budget); None: an arena bounded by the KV cache's size and
+        a quarter of the free memory, mapped at the mirror's first growth and filled in by the OS
+        as its pages are first written (a draft model's runner, budgets given by the user)."""
         self.model = model
         self.block_size = block_size
         self.device = model.device

@@ -34,6 +34,12 @@ _GROW = 128  # capacity granularity in tokens
 MIN_MIRROR_CONTEXT = 1024
 
 
+def mirror_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The cache's dtype, or float32 for a half cache where the CPU emulates half products (see above)."""
+    upcast = dtype in (torch.float16, torch.bfloat16) and not reference.native_half_matmul(dtype)
+    return torch.float32 if upcast else dtype
+
+
 class DecodeMirror:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype, device, max_bytes: int,
                  max_rows: int | None = None, max_len: int | None = None, prefault: bool = False) -> None:  # fmt: skip
@@ -41,11 +47,10 @@ class DecodeMirror:
         max_model_len) are what a growth reserves when the budget allows. prefault: write the
         whole arena now (the engine's startup) rather than at each page's first use (see _arena)."""
         self.shape = (num_layers, kv_heads, head_dim)
-        # a float32 mirror of a half cache where the CPU emulates half products (see above)
-        upcast = dtype in (torch.float16, torch.bfloat16) and not reference.native_half_matmul(dtype)
-        self.dtype = torch.float32 if upcast else dtype
-        if prefault and max_rows and max_len:  # written now: no more than max_rows rows of max_len tokens
-            max_bytes = min(max_bytes, self._bytes(max_rows, -(-max_len // _GROW) * _GROW))
+        self.dtype = mirror_dtype(dtype)
+        upcast = self.dtype != dtype
+        if prefault and max_rows and max_len:  # written now: no more than a growth can ever take
+            max_bytes = min(max_bytes, self.largest_bytes(num_layers, kv_heads, head_dim, dtype, max_rows, max_len))
         self.device, self.max_bytes, self.max_rows, self.max_len = device, max_bytes, max_rows, max_len
         self.min_context = 0 if upcast else MIN_MIRROR_CONTEXT
         self.k: torch.Tensor | None = None  # [layers, rows, kvh, cap, hd], a view of the arena
@@ -53,6 +58,13 @@ class DecodeMirror:
         self.ids: list[int] = []  # seq id held by each row
         self.lens = np.zeros(0, dtype=np.int64)  # tokens valid in each row
         self.arena = self._arena(prefault) if prefault else None  # made at the first growth otherwise
+
+    @staticmethod
+    def largest_bytes(num_layers: int, kv_heads: int, head_dim: int, dtype, max_rows: int, max_len: int) -> int:
+        """The most a growth ever takes: max_rows rows of max_len tokens (rounded up to _GROW), K and V,
+        in the mirror's dtype for a cache of `dtype`."""
+        size = torch.empty((), dtype=mirror_dtype(dtype)).element_size()
+        return 2 * num_layers * max_rows * kv_heads * (-(-max_len // _GROW) * _GROW) * head_dim * size
 
     @property
     def gqa_form(self) -> bool:
@@ -99,9 +111,10 @@ class DecodeMirror:
         return True
 
     def _arena(self, prefault: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V storage, [layers, elements] each, of max_bytes together, zero-filled (zeros,
-        not empty: masked positions still meet V in the softmax-weighted sum, and 0 * NaN from
-        uninitialised memory would poison the output).
+        """K and V storage, [layers, elements] each, of max_bytes together, zero-filled: every
+        position a row reads holds zero or a K/V value some layout wrote there earlier, never
+        uninitialised memory (masked positions still meet V in the softmax-weighted sum, and
+        0 * NaN would poison the output).
 
         prefault=False: an anonymous mapping that the OS zero-fills page by page at the first
         touch, so only the positions rows reach cost memory. prefault=True: torch.zeros, every page

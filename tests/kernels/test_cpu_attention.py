@@ -61,15 +61,17 @@ def test_mirror_dtype_follows_the_cpu(native, monkeypatch):
      (9, None, 2 * LAYERS * KVH * D * 2 * 4 * 40, torch.bfloat16, True, True, False),
      (10, 7, 1 << 30, torch.bfloat16, True, True, True),
      (11, None, 2 * LAYERS * KVH * D * 4 * 5 * 24, torch.float32, False, True, True),
-     (12, None, 2 * LAYERS * KVH * D * 2 * 4 * 40, torch.bfloat16, True, True, True)],
+     (12, None, 2 * LAYERS * KVH * D * 2 * 4 * 40, torch.bfloat16, True, True, True),
+     (13, None, 1 << 30, torch.bfloat16, True, "grain", False), (14, 7, 1 << 20, torch.float32, False, "grain", True)],
 )  # fmt: skip
 def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dtype, native, sizing, prefault,
                                                          monkeypatch):  # fmt: skip
     """bf16 against the reference in float32 on the same bf16 values: native=False, the float32
     mirror of a CPU without native half products (outputs differ by their rounding to bf16 only);
     native=True, a bf16 mirror through SDPA's GQA form. sizing: the engine's max_rows and max_len
-    hints, with an 8-token growth grain; the last two budgets hold only a few rows or tokens, so
-    growths shrink one dimension to widen the other and some steps fall back. prefault: the arena
+    hints, with an 8-token growth grain ("grain": the grain without the hints, so rows widen while
+    several are held and each layer's rows move within the arena); the small budgets hold only a
+    few rows or tokens, so growths shrink one dimension to widen the other and some steps fall back. prefault: the arena
     written up front, as the engine makes it (every layout is a view of one arena either way, so a
     growth moves rows within memory the old layout also uses)."""
     monkeypatch.setattr(cpu_attention, "MIN_MIRROR_CONTEXT", 1)  # tiny contexts: always mirror
@@ -80,8 +82,9 @@ def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dt
     torch.manual_seed(seed)
     kc = [torch.randn(NB, BS, KVH, D).to(dtype) for _ in range(LAYERS)]
     vc = [torch.randn(NB, BS, KVH, D).to(dtype) for _ in range(LAYERS)]
+    hints = sizing is True
     mirror = cpu_attention.DecodeMirror(LAYERS, KVH, D, dtype, torch.device("cpu"), budget,
-                                        max_rows=6 if sizing else None, max_len=16 * BS if sizing else None,
+                                        max_rows=6 if hints else None, max_len=16 * BS if hints else None,
                                         prefault=prefault)  # fmt: skip
     assert (mirror.arena is not None) == prefault
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
