@@ -64,11 +64,11 @@ def test_cpu_default_budget_is_shared_with_the_decode_mirror(llama_dir, monkeypa
     one max_model_len sequence no longer fits the paged cache; its arena is written at startup (torch's
     allocator, not a lazily mapped region), so no growth maps fresh pages mid-run. A budget given by
     the user is the paged cache's alone, and the mirror maps its pages as it grows."""
-    from arcserve.engine import engine as engine_mod
+    from arcserve.engine import kv_budget
     from arcserve.engine.runner import kv_cache_bytes_per_block
 
     def start(budget, **kw):
-        monkeypatch.setattr(engine_mod, "_CPU_KV_DEFAULT", budget)
+        monkeypatch.setattr(kv_budget, "CPU_KV_DEFAULT", budget)
         llm = LLM(model=str(llama_dir), **kw)
         out = llm.generate("hello there", SamplingParams(temperature=0, max_tokens=4))[0]
         assert len(out.outputs[0].token_ids) == 4

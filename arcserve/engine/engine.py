@@ -14,18 +14,19 @@ import torch
 
 from arcserve.config import EngineArgs
 from arcserve.engine.inputs import InputProcessor
+from arcserve.engine.kv_budget import plan_kv_cache
 from arcserve.engine.kv_cache import KVCacheManager
 from arcserve.engine.metrics import EngineMetrics
 from arcserve.engine.output_processor import OutputProcessor, RequestGroup
 from arcserve.engine.policy import make_policy
 from arcserve.engine.request import Request, RequestStatus
-from arcserve.engine.runner import ModelRunner, StepHandle, kv_cache_bytes_per_block, profile_peak_activations
+from arcserve.engine.runner import ModelRunner, StepHandle
 from arcserve.engine.scheduler import Scheduler, SchedulerOutput
 from arcserve.engine.speculative import DraftLength, accept
 from arcserve.kernels import get_ops
 from arcserve.models.loader import load_model
 from arcserve.outputs import RequestOutput
-from arcserve.platform import keep_host_memory_mapped, memory_info, resolve_device
+from arcserve.platform import keep_host_memory_mapped, resolve_device
 from arcserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("arcserve")
@@ -37,7 +38,6 @@ logger = logging.getLogger("arcserve")
 # a prompt chunk puts into the decodes beside it.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048}
 GPU_MAX_NUM_BATCHED_TOKENS = 8192
-_CPU_KV_DEFAULT = 4 << 30
 
 
 class LLMEngine(InputProcessor):
@@ -66,7 +66,8 @@ class LLMEngine(InputProcessor):
             from arcserve.engine.draft import load_draft_model
 
             self.draft_model = load_draft_model(spec.model, self, ops)
-        num_blocks, mirror_bytes = self._num_kv_blocks()
+        num_blocks, mirror_bytes = plan_kv_cache(args, self.model, self.draft_model, self.max_model_len,
+                                                 self.max_num_batched_tokens)  # fmt: skip
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, args.seed, self.max_model_len,
                                   args.max_num_seqs, mirror_bytes)  # fmt: skip
         if self.runner.graphs_possible(args.enforce_eager):
@@ -109,76 +110,6 @@ class LLMEngine(InputProcessor):
             logger.info("Speculative decoding: %s, up to %d draft tokens per step",
                         spec.method if spec.method == "ngram" else f"draft model {spec.model}",
                         spec.num_speculative_tokens)  # fmt: skip
-
-    # ---- startup ----------------------------------------------------------------------------
-    def _num_kv_blocks(self) -> tuple[int, int | None]:
-        """The paged cache's blocks, and the bytes the CPU's decode mirror gets from the default
-        budget (None: the mirror sizes itself, see ModelRunner)."""
-        a = self.args
-        mirror_bytes = None
-        per_block = kv_cache_bytes_per_block(self.model, a.block_size)
-        if self.draft_model is not None:  # the draft's cache has as many blocks as the target's
-            per_block += kv_cache_bytes_per_block(self.draft_model, a.block_size)
-        if a.num_kv_blocks is not None:
-            num_blocks = a.num_kv_blocks
-        else:
-            budget = a.kv_cache_memory_bytes
-            if budget is None and self.device.type != "cpu":
-                budget = self._gpu_kv_budget()
-            elif budget is None:
-                free, _ = memory_info(self.device)
-                budget = min(_CPU_KV_DEFAULT, int(free * 0.3))
-                mirror = self.model.ops.make_decode_mirror
-                if mirror is not None:
-                    # Up to half for the decode mirror (kernels/cpu_attention.py), written at startup
-                    # like the paged cache: pages first touched mid-run cost the 64-request
-                    # benchmark ~17% of its time on a 2-vCPU VM (docs/BENCHMARKS.md). No more than
-                    # the mirror can use, and never so much that one max_model_len sequence no
-                    # longer fits the paged cache.
-                    cfg = self.model.cfg
-                    most = mirror.largest_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.model.dtype,
-                                                a.max_num_seqs, self.max_model_len)  # fmt: skip
-                    one_seq = -(-self.max_model_len // a.block_size) * per_block
-                    mirror_bytes = max(0, min(budget - budget // 2, most, budget - one_seq))
-                    budget -= mirror_bytes
-            num_blocks = max(0, budget) // per_block
-            if a.kv_cache_memory_bytes is None:  # no use for more than every sequence at full length
-                num_blocks = min(num_blocks, a.max_num_seqs * -(-self.max_model_len // a.block_size))
-        tokens = num_blocks * a.block_size
-        if tokens < self.max_model_len:
-            raise ValueError(
-                f"The KV cache holds {num_blocks} blocks = {tokens} tokens, too few for one sequence "
-                f"of max_model_len {self.max_model_len}. The largest max_model_len that fits is "
-                f"{tokens}: lower max_model_len or give the KV cache more memory/blocks."
-            )
-        logger.info(
-            "KV cache: %d blocks = %d tokens; max concurrency at max_model_len %d: %.2f%s",
-            num_blocks, tokens, self.max_model_len, tokens / self.max_model_len,
-            "" if mirror_bytes is None else f"; decode mirror: {mirror_bytes / 2**20:.1f} MiB",
-        )  # fmt: skip
-        return num_blocks, mirror_bytes
-
-    def _gpu_kv_budget(self) -> int:
-        """gpu_memory_utilization of the device's memory, minus what is in use now (weights, context,
-        other processes) and the peak activations of a profile step at max_num_batched_tokens."""
-        free, total = memory_info(self.device)
-        used = total - free
-        activations = profile_peak_activations(self.model, self.max_num_batched_tokens, self.max_model_len,
-                                               self.args.max_num_seqs, self.args.block_size)  # fmt: skip
-        budget = int(total * self.args.gpu_memory_utilization) - used - activations
-        logger.info(
-            "Memory: %.2f GiB of %.2f GiB in use after loading; peak activations %.2f GiB; KV cache budget "
-            "%.2f GiB (gpu_memory_utilization %.2f)", used / 2**30, total / 2**30, activations / 2**30,
-            budget / 2**30, self.args.gpu_memory_utilization,
-        )  # fmt: skip
-        if budget <= 0:
-            raise ValueError(
-                f"No device memory left for the KV cache: {used / 2**30:.2f} GiB in use after loading and "
-                f"{activations / 2**30:.2f} GiB of activations exceed gpu_memory_utilization "
-                f"{self.args.gpu_memory_utilization} of {total / 2**30:.2f} GiB; raise gpu_memory_utilization "
-                "or lower max_num_batched_tokens"
-            )
-        return budget
 
     # ---- requests ---------------------------------------------------------------------------
     def add_prepared(self, prepared: tuple[RequestGroup, list[Request]]) -> None:
