@@ -40,17 +40,21 @@ def mirror_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if upcast else dtype
 
 
+def _footprint(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, rows: int, cap: int) -> int:
+    """Bytes of K and V for `rows` rows of `cap` tokens."""
+    return 2 * layers * rows * kv_heads * cap * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 class DecodeMirror:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype, device, max_bytes: int,
                  max_rows: int | None = None, max_len: int | None = None, prefault: bool = False) -> None:  # fmt: skip
         """max_bytes bounds the buffers' size; max_rows and max_len (the engine's max_num_seqs and
-        max_model_len) are what a growth reserves when the budget allows. prefault: write the
-        whole arena now (the engine's startup) rather than at each page's first use (see _arena)."""
+        max_model_len) are what a growth reserves when the budget allows (largest_bytes: the most
+        worth giving it). prefault: write the whole arena now (the engine's startup) rather than at
+        each page's first use (see _arena)."""
         self.shape = (num_layers, kv_heads, head_dim)
         self.dtype = mirror_dtype(dtype)
         upcast = self.dtype != dtype
-        if prefault and max_rows and max_len:  # written now: no more than a growth can ever take
-            max_bytes = min(max_bytes, self.largest_bytes(num_layers, kv_heads, head_dim, dtype, max_rows, max_len))
         self.device, self.max_bytes, self.max_rows, self.max_len = device, max_bytes, max_rows, max_len
         self.min_context = 0 if upcast else MIN_MIRROR_CONTEXT
         self.k: torch.Tensor | None = None  # [layers, rows, kvh, cap, hd], a view of the arena
@@ -63,8 +67,7 @@ class DecodeMirror:
     def largest_bytes(num_layers: int, kv_heads: int, head_dim: int, dtype, max_rows: int, max_len: int) -> int:
         """The most a growth ever takes: max_rows rows of max_len tokens (rounded up to _GROW), K and V,
         in the mirror's dtype for a cache of `dtype`."""
-        size = torch.empty((), dtype=mirror_dtype(dtype)).element_size()
-        return 2 * num_layers * max_rows * kv_heads * (-(-max_len // _GROW) * _GROW) * head_dim * size
+        return _footprint(num_layers, kv_heads, head_dim, mirror_dtype(dtype), max_rows, -(-max_len // _GROW) * _GROW)
 
     @property
     def gqa_form(self) -> bool:
@@ -75,8 +78,7 @@ class DecodeMirror:
         return self.dtype in (torch.float16, torch.bfloat16)
 
     def _bytes(self, rows: int, cap: int) -> int:
-        L, kvh, hd = self.shape
-        return 2 * L * rows * kvh * cap * hd * torch.empty((), dtype=self.dtype).element_size()
+        return _footprint(*self.shape, self.dtype, rows, cap)
 
     def _ensure(self, rows: int, cap: int) -> bool:
         """Room for `rows` rows of `cap` tokens. A growth takes as much as the budget allows: up
