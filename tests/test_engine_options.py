@@ -69,7 +69,7 @@ def test_cpu_default_budget_is_shared_with_the_decode_mirror(llama_dir, monkeypa
 
     def start(budget, **kw):
         monkeypatch.setattr(kv_budget, "CPU_KV_DEFAULT", budget)
-        llm = LLM(model=str(llama_dir), **kw)
+        llm = LLM(model=str(llama_dir), device="cpu", **kw)
         out = llm.generate("hello there", SamplingParams(temperature=0, max_tokens=4))[0]
         assert len(out.outputs[0].token_ids) == 4
         eng = llm.llm_engine
@@ -95,6 +95,6 @@ def test_cpu_default_budget_is_shared_with_the_decode_mirror(llama_dir, monkeypa
     eng, per_block, mirror, arena = start(one_seq * 3 // 2, max_model_len=256, max_num_seqs=64)
     assert eng.kv.pool.num_blocks == 256 // eng.args.block_size and arena == one_seq * 3 // 2 - one_seq
 
-    own = LLM(model=str(llama_dir), max_model_len=256, max_num_seqs=64, kv_cache_memory_bytes=budget)
+    own = LLM(model=str(llama_dir), device="cpu", max_model_len=256, max_num_seqs=64, kv_cache_memory_bytes=budget)
     assert own.llm_engine.kv.pool.num_blocks == budget // per_block
     assert own.llm_engine.runner.decode_mirror.arena is None  # made, lazily mapped, at its first growth
