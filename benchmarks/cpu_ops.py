@@ -1,6 +1,8 @@
 """CPU micro-benchmarks behind the choices in arcserve/kernels/reference.py (bf16, SmolLM2-135M shapes):
 linear (F.linear vs oneDNN-packed weights), KV block gather (advanced indexing vs index_select),
-RMSNorm (F.rms_norm vs a vector_norm formulation, which was not kept: no reproducible gain).
+RMSNorm (F.rms_norm vs a vector_norm formulation, which was not kept: no reproducible gain), and a
+small op's cost right after a product has streamed a layer's weights through the caches (what the
+ops between the products of a decode step pay in the model).
 
     python benchmarks/cpu_ops.py
 """
@@ -62,6 +64,23 @@ def main() -> None:
         a = timed(lambda x=x: F.rms_norm(x, (576,), w, 1e-5), 100) * 1e3
         b = timed(vn, 100) * 1e3
         print(f"  rows {m:>5}: F.rms_norm {a:8.1f}   vector_norm form {b:8.1f}")
+
+    # The gate_up matrix of 60 layers in turn (~210 MB, past the caches), as a decode step streams them.
+    gate_up = [torch.ops.mkldnn._reorder_linear_weight((torch.randn(3072, 576) * 0.05).to(bf), 64) for _ in range(60)]
+    print("\nresidual add + RMSNorm, alone and right after a 3,072 x 576 product (us):")
+    for m in (1, 64):
+        x, r = torch.randn(m, 576).to(bf), torch.randn(m, 576).to(bf)
+        times = {}
+        for after in (False, True):
+            total = 0.0
+            for p in gate_up * 3:
+                if after:
+                    torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                t = time.perf_counter()
+                F.rms_norm(x + r, (576,), w, 1e-5)
+                total += time.perf_counter() - t
+            times[after] = total / (3 * len(gate_up)) * 1e6
+        print(f"  rows {m:>5}: alone {times[False]:8.1f}   after a product {times[True]:8.1f}")
 
 
 if __name__ == "__main__":

@@ -9,11 +9,15 @@ gaps do not count), over enough copies of its inputs to miss the L2 cache.
                                                        # kernel, fused prologues
     python benchmarks/gpu_kernels.py gemv-grid         # matrix-vector program shapes, Llama-8B
     python benchmarks/gpu_kernels.py gemv-candidates   # a few shapes on every one-row matrix
+    python benchmarks/gpu_kernels.py attention-varied  # decode attention over mixed context lengths, by split
+    python benchmarks/gpu_kernels.py batch-gemm        # decode-batch products (8-256 rows): cuBLAS against
+                                                       # a plain Triton GEMM (an experiment, not in arcserve)
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -21,12 +25,21 @@ from pathlib import Path
 import numpy as np
 import torch
 import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from arcserve.kernels import reference, triton_attention, triton_linear, triton_ops
 from arcserve.kernels.reference import AttentionMetadata
-from arcserve.platform import capture, graph_pool, new_graph, resolve_device, synchronize
+from arcserve.kernels.triton_ops import wait_prior_kernel
+from arcserve.platform import (
+    capture,
+    graph_pool,
+    new_graph,
+    resolve_device,
+    synchronize,
+    triton_launch_options,
+)
 
 DEV = resolve_device("auto")
 BF16 = torch.bfloat16
@@ -128,6 +141,107 @@ def attention_sweep() -> None:
                         print(f"{batch:5d} {ctx:6d} {splits:6d} {block_n:7d} {warps:5d} {stages:6d} {us:8.2f} {100 * floor / us:5.0f}%")
 
 
+@torch.inference_mode()
+def attention_varied() -> None:
+    """Decode attention (Qwen3-0.6B heads) over sequences of mixed context lengths, as in a
+    throughput run, at each KV split: the chosen one (*) against the others, % of the KV-read floor."""
+    from gpu_bench import copy_bandwidth
+
+    bw = copy_bandwidth()
+    h, kvh, d, bs = 16, 8, 128, 16
+    rng = np.random.default_rng(0)
+    for batch, lo, hi in ((32, 1000, 2048), (64, 200, 2048), (64, 1000, 2048), (128, 200, 2048),
+                          (128, 800, 2048), (192, 200, 1800), (256, 200, 1600)):  # fmt: skip
+        lens = rng.integers(lo, hi + 1, batch)
+        nb = -(-lens // bs)
+        perm, bt = torch.randperm(int(nb.sum())).int(), torch.zeros(batch, int(nb.max()), dtype=torch.int32)
+        for i, off in enumerate(np.cumsum(nb) - nb):
+            bt[i, : nb[i]] = perm[off : off + nb[i]]
+        meta = AttentionMetadata(
+            query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=DEV),
+            seq_lens=torch.from_numpy(lens).int().to(DEV), block_tables=bt.to(DEV),
+            slot_mapping=torch.zeros(batch, dtype=torch.int64, device=DEV),
+            host={"query_start_loc": np.arange(batch + 1), "seq_lens": lens},
+        )  # fmt: skip
+        kc = torch.randn(int(nb.sum()), bs, kvh, d, device=DEV, dtype=BF16)
+        vc = torch.randn_like(kc)
+        q = torch.randn(batch, h, d, device=DEV, dtype=BF16)
+        plan = triton_attention.prepare(meta, h, kvh, DEV)
+        floor, chosen = 2 * 2 * int(lens.sum()) * kvh * d / bw * 1e6, plan["splits"]
+        for splits in (1, 2, 4, 8):
+            plan["splits"] = splits
+            us = graph_time([lambda: triton_attention.paged_attention(q, None, None, kc, vc, meta, d**-0.5, None, 0)])
+            mark = "*" if splits == chosen else " "
+            print(f"batch {batch:4d} ctx {lo}-{hi} splits {splits}{mark} {us:8.1f} us  floor {floor:7.1f}  {100 * floor / us:5.1f}%")
+
+
+@triton.jit
+def _batch_mm(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, BM: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    """y = x @ w.T, one BM x BN tile a program; PREFETCH loads the first weight tile before waiting
+    for the kernel before (programmatic dependent launch)."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rm = tl.program_id(1) * BM + tl.arange(0, BM)
+    rk = tl.arange(0, BK)
+    n_ok, m_ok = rn < N, rm < M
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+    acc = tl.zeros([BM, BN], tl.float32)
+    start = 0
+    if PREFETCH:
+        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        wait_prior_kernel(PDL)
+        acc = tl.dot(tl.load(x_ptrs, mask=m_ok[:, None], other=0.0), tl.trans(w), acc)
+        start = BK
+    else:
+        wait_prior_kernel(PDL)
+    for k in range(start, K, BK):
+        w = tl.load(w_ptrs + k, mask=n_ok[:, None], other=0.0)
+        acc = tl.dot(tl.load(x_ptrs + k, mask=m_ok[:, None], other=0.0), tl.trans(w), acc)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@torch.inference_mode()
+def batch_gemm() -> None:
+    """Qwen3-0.6B's decoder matrices at decode batches of 8-256 rows: cuBLAS (what arcserve runs)
+    against a plain Triton GEMM over a grid of tiles (best per matrix, and the best single setting
+    per batch size), to see whether the ~6-9 us each product takes at these sizes is the library's."""
+    shapes = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
+    grid = list(itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (0, 1), (3, 4)))
+    for m in (8, 32, 64, 128, 256):
+        per_setting: dict = {}
+        lib_total = 0.0
+        for name, (n, k) in shapes.items():
+            ws = copies(lambda n=n, k=k: torch.randn(n, k, device=DEV, dtype=BF16) * 0.02, 2 * n * k)
+            x = torch.randn(m, k, device=DEV, dtype=BF16)
+            lib = graph_time([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
+            lib_total += lib
+            ref = torch.nn.functional.linear(x, ws[0]).float()
+            best = (float("inf"), None)
+            for bm, bn, bk, pre, stages in grid:
+                if bm > max(16, triton.next_power_of_2(m)):
+                    continue
+
+                def run(w, bm=bm, bn=bn, bk=bk, pre=pre, stages=stages):
+                    y = torch.empty(m, n, dtype=BF16, device=DEV)
+                    _batch_mm[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
+                        x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), BM=bm, BN=bn, BK=bk,
+                        PREFETCH=pre, num_warps=4, num_stages=stages, **triton_launch_options(DEV))  # fmt: skip
+                    return y
+
+                try:
+                    err = ((run(ws[0]).float() - ref).norm() / ref.norm()).item()
+                except triton.runtime.errors.OutOfResources:  # tiles x stages past shared memory
+                    continue
+                assert err < 1e-2, (name, m, bm, bn, bk, err)
+                us = graph_time([lambda w=w: run(w) for w in ws])
+                per_setting[(bm, bn, bk, pre, stages)] = per_setting.get((bm, bn, bk, pre, stages), 0.0) + us
+                best = min(best, (us, (bm, bn, bk, pre, stages)))
+            print(f"rows {m:3d} {name:8s} cuBLAS {lib:6.2f} us   Triton best {best[0]:6.2f} us (BM, BN, BK, prefetch, stages = {best[1]})")
+        setting, total = min(per_setting.items(), key=lambda kv: kv[1])
+        print(f"rows {m:3d} one layer's four products: cuBLAS {lib_total:.2f} us, Triton's best single setting {setting} {total:.2f} us")
+
+
 # One-row matrices of both models: (outputs, inputs); LM heads are the tied / untied vocabularies.
 ONE_ROW_SHAPES = {"0.6b qkv": (4096, 1024), "0.6b o": (1024, 2048), "0.6b gate_up": (6144, 1024),
                   "0.6b down": (1024, 3072), "0.6b lm_head": (151936, 1024), "8b qkv": (6144, 4096),
@@ -220,6 +334,10 @@ def main() -> None:
         return gemv_sweep(grid=sys.argv[1] == "gemv-grid")
     if sys.argv[1:] == ["attention-sweep"]:
         return attention_sweep()
+    if sys.argv[1:] == ["attention-varied"]:
+        return attention_varied()
+    if sys.argv[1:] == ["batch-gemm"]:
+        return batch_gemm()
     if sys.argv[1:] == ["linear-sweep"]:
         return linear_sweep()
     bw, flops = measure_ceilings()

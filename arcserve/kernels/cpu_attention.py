@@ -123,7 +123,7 @@ class DecodeMirror:
         written now. The engine prefaults the mirror at startup out of the KV cache's memory budget
         (as it does the paged cache): on the 2-vCPU VMs measured here, a page touched for the first
         time costs ~2-5 ms per MB, and the 64-request benchmark's mirror touched ~860 MB mid-run
-        (26.5 s against 21.9 s for the same run with the pages already mapped)."""
+        (248,605 page faults in the run before, 34,810 after; the run +4%)."""
         L, size = self.shape[0], torch.empty((), dtype=self.dtype).element_size()
         n = self.max_bytes // (2 * L * size)
         if prefault:
