@@ -10,6 +10,7 @@ gaps do not count), over enough copies of its inputs to miss the L2 cache.
     python benchmarks/gpu_kernels.py gemv-grid         # matrix-vector program shapes, Llama-8B
     python benchmarks/gpu_kernels.py gemv-candidates   # a few shapes on every one-row matrix
     python benchmarks/gpu_kernels.py attention-varied  # decode attention over mixed context lengths, by split
+    python benchmarks/gpu_kernels.py prefill-sweep     # mixed steps' prompt-chunk attention tiles
     python benchmarks/gpu_kernels.py batch-gemm        # decode-batch products (8-256 rows): cuBLAS against
                                                        # a plain Triton GEMM (an experiment, not in arcserve)
 """
@@ -175,6 +176,65 @@ def attention_varied() -> None:
             print(f"batch {batch:4d} ctx {lo}-{hi} splits {splits}{mark} {us:8.1f} us  floor {floor:7.1f}  {100 * floor / us:5.1f}%")
 
 
+@torch.inference_mode()
+def prefill_sweep() -> None:
+    """The prompt-chunk tiles of a throughput run's mixed step (Qwen3-0.6B heads): 8,192 new tokens
+    as fresh prompts of 100-1,024 tokens, and as 512-token chunks over cached prefixes of 0-3,072
+    tokens; tile rows (tokens x heads), KV block, warps and stages; FLOPs of the causal products
+    over the measured matmul rate as the floor."""
+    bw, flops = measure_ceilings()
+    h, kvh, d, bs = 16, 8, 128, 16
+    rng = np.random.default_rng(0)
+    for label in ("fresh prompts", "chunks over cached prefixes"):
+        if label == "fresh prompts":
+            lens = []
+            while sum(lens) < 8192:
+                lens.append(int(rng.integers(100, 1025)))
+            lens[-1] -= sum(lens) - 8192
+            new, ctx = np.array(lens), np.array(lens)
+        else:
+            new = np.full(16, 512)
+            ctx = new + rng.integers(0, 3073, 16)
+        qsl = np.concatenate([[0], np.cumsum(new)]).astype(np.int64)
+        nb = -(-ctx // bs)
+        bt = torch.zeros(len(ctx), int(nb.max()), dtype=torch.int32)
+        perm = torch.randperm(int(nb.sum())).int()
+        for i, off in enumerate(np.cumsum(nb) - nb):
+            bt[i, : nb[i]] = perm[off : off + nb[i]]
+        meta = AttentionMetadata(
+            query_start_loc=torch.from_numpy(qsl).int().to(DEV), seq_lens=torch.from_numpy(ctx).int().to(DEV),
+            block_tables=bt.to(DEV), slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64, device=DEV),
+            host={"query_start_loc": qsl, "seq_lens": ctx},
+        )  # fmt: skip
+        kc = torch.randn(int(nb.sum()), bs, kvh, d, device=DEV, dtype=BF16)
+        vc = torch.randn_like(kc)
+        q = torch.randn(int(qsl[-1]), h, d, device=DEV, dtype=BF16)
+        causal = sum(int(n) * (int(c) - int(n)) + int(n) * (int(n) + 1) / 2 for n, c in zip(new, ctx))
+        floor = 2 * 2 * causal * h * d / flops * 1e6
+        plan = triton_attention.prepare(meta, h, kvh, DEV)
+        fn = lambda: triton_attention.paged_attention(q, None, None, kc, vc, meta, d**-0.5, None, 0)  # noqa: E731
+        ref = fn().float()
+        shipped = (plan["block_q"], plan["block_n"])
+        print(f"{label}: {len(new)} sequences, floor {floor:.1f} us, shipped BLOCK_Q {shipped[0]} BLOCK_N {shipped[1]}")
+        results = []
+        for rows, block_n, warps, stages in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3)):
+            block_q = rows // plan["g_pad"]
+            seq, q0 = triton_attention.plan_tiles(qsl, block_q)
+            tiles = torch.from_numpy(np.stack([seq, q0])).to(DEV)
+            plan.update(block_q=block_q, block_n=block_n, tile_seq=tiles[0], tile_q=tiles[1], num_tiles=len(seq),
+                        launch={"num_warps": warps, "num_stages": stages})  # fmt: skip
+            try:
+                err = ((fn().float() - ref).norm() / ref.norm()).item()
+                us = graph_time([fn])
+            except triton.runtime.errors.OutOfResources:
+                continue
+            assert err < 1e-2, (rows, block_n, warps, stages, err)
+            results.append((us, rows, block_n, warps, stages))
+        as_shipped = [r for r in results if (r[1] // plan["g_pad"], r[2]) == shipped and r[3:] == (4, 3)]
+        for us, rows, block_n, warps, stages in sorted(results)[:6] + as_shipped:
+            print(f"  rows {rows:4d} BLOCK_N {block_n:4d} warps {warps} stages {stages}: {us:8.1f} us  {100 * floor / us:5.1f}% of floor")
+
+
 @triton.jit
 def _batch_mm(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, BM: tl.constexpr, BN: tl.constexpr,
               BK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
@@ -338,6 +398,8 @@ def main() -> None:
         return attention_varied()
     if sys.argv[1:] == ["batch-gemm"]:
         return batch_gemm()
+    if sys.argv[1:] == ["prefill-sweep"]:
+        return prefill_sweep()
     if sys.argv[1:] == ["linear-sweep"]:
         return linear_sweep()
     bw, flops = measure_ceilings()
