@@ -22,6 +22,7 @@ def plan_kv_cache(args: EngineArgs, model: DecoderModel, draft_model: DecoderMod
     max_model_len sequence does not fit."""
     a, device = args, model.device
     mirror_bytes = None
+    seq_blocks = -(-max_model_len // a.block_size)  # one max_model_len sequence
     per_block = kv_cache_bytes_per_block(model, a.block_size)
     if draft_model is not None:  # the draft's cache has as many blocks as the target's
         per_block += kv_cache_bytes_per_block(draft_model, a.block_size)
@@ -36,19 +37,18 @@ def plan_kv_cache(args: EngineArgs, model: DecoderModel, draft_model: DecoderMod
             budget = min(CPU_KV_DEFAULT, int(free * 0.3))
             mirror = model.ops.make_decode_mirror
             if mirror is not None:
-                # Up to half for the decode mirror, written at startup like the paged cache: pages
-                # first touched mid-run cost the 64-request benchmark ~17% of its time on a 2-vCPU VM
-                # (docs/BENCHMARKS.md). No more than the mirror can use, and never so much that one
-                # max_model_len sequence no longer fits the paged cache.
+                # Up to half for the decode mirror, written at startup like the paged cache: the
+                # 64-request benchmark took 248,605 page faults mid-run without, 34,810 with, and ran
+                # 4% faster on a 2-vCPU VM (docs/BENCHMARKS.md). No more than the mirror can use,
+                # and never so much that one max_model_len sequence no longer fits the paged cache.
                 cfg = model.cfg
                 most = mirror.largest_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype,
                                             a.max_num_seqs, max_model_len)  # fmt: skip
-                one_seq = -(-max_model_len // a.block_size) * per_block
-                mirror_bytes = max(0, min(budget - budget // 2, most, budget - one_seq))
+                mirror_bytes = max(0, min(budget - budget // 2, most, budget - seq_blocks * per_block))
                 budget -= mirror_bytes
         num_blocks = max(0, budget) // per_block
         if a.kv_cache_memory_bytes is None:  # no use for more than every sequence at full length
-            num_blocks = min(num_blocks, a.max_num_seqs * -(-max_model_len // a.block_size))
+            num_blocks = min(num_blocks, a.max_num_seqs * seq_blocks)
     tokens = num_blocks * a.block_size
     if tokens < max_model_len:
         raise ValueError(

@@ -42,7 +42,7 @@ def mirror_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _footprint(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, rows: int, cap: int) -> int:
     """Bytes of K and V for `rows` rows of `cap` tokens."""
-    return 2 * layers * rows * kv_heads * cap * head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * layers * rows * kv_heads * cap * head_dim * dtype.itemsize
 
 
 class DecodeMirror:
@@ -124,7 +124,7 @@ class DecodeMirror:
         (as it does the paged cache): on the 2-vCPU VMs measured here, a page touched for the first
         time costs ~2-5 ms per MB, and the 64-request benchmark's mirror touched ~860 MB mid-run
         (248,605 page faults in the run before, 34,810 after; the run +4%)."""
-        L, size = self.shape[0], torch.empty((), dtype=self.dtype).element_size()
+        L, size = self.shape[0], self.dtype.itemsize
         n = self.max_bytes // (2 * L * size)
         if prefault:
             return torch.zeros(L, n, dtype=self.dtype), torch.zeros(L, n, dtype=self.dtype)
