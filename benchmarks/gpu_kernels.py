@@ -82,17 +82,25 @@ def measure_ceilings() -> tuple[float, float]:
     return bw, flops
 
 
+def paged_meta(new: np.ndarray, ctx: np.ndarray, bs: int = 16):
+    """(metadata, blocks used) of a step whose sequences bring new[i] tokens with context ctx[i]
+    (cached + new), each over distinct random blocks of bs tokens."""
+    nb = -(-ctx // bs)
+    perm, bt = torch.randperm(int(nb.sum())).int(), torch.zeros(len(ctx), int(nb.max()), dtype=torch.int32)
+    for i, off in enumerate(np.cumsum(nb) - nb):
+        bt[i, : nb[i]] = perm[off : off + nb[i]]
+    qsl = np.concatenate([[0], np.cumsum(new)]).astype(np.int64)
+    meta = AttentionMetadata(
+        query_start_loc=torch.from_numpy(qsl).int().to(DEV), seq_lens=torch.from_numpy(ctx).int().to(DEV),
+        block_tables=bt.to(DEV), slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64, device=DEV),
+        host={"query_start_loc": qsl, "seq_lens": ctx},
+    )  # fmt: skip
+    return meta, int(nb.sum())
+
+
 def decode_meta(batch: int, ctx: int, kvh: int, bs: int = 16):
     """Decode metadata: `batch` sequences of `ctx` tokens over distinct random blocks."""
-    nb = -(-ctx // bs)
-    perm = torch.randperm(batch * nb).view(batch, nb).int()
-    meta = AttentionMetadata(
-        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=DEV),
-        seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=DEV),
-        block_tables=perm.to(DEV), slot_mapping=torch.zeros(batch, dtype=torch.int64, device=DEV),
-        host={"query_start_loc": np.arange(batch + 1), "seq_lens": np.full(batch, ctx)},
-    )  # fmt: skip
-    return meta, batch * nb
+    return paged_meta(np.ones(batch, dtype=np.int64), np.full(batch, ctx), bs)
 
 
 def decode_attention(batch: int, ctx: int, h: int, kvh: int, d: int):
@@ -154,17 +162,8 @@ def attention_varied() -> None:
     for batch, lo, hi in ((32, 1000, 2048), (64, 200, 2048), (64, 1000, 2048), (128, 200, 2048),
                           (128, 800, 2048), (192, 200, 1800), (256, 200, 1600)):  # fmt: skip
         lens = rng.integers(lo, hi + 1, batch)
-        nb = -(-lens // bs)
-        perm, bt = torch.randperm(int(nb.sum())).int(), torch.zeros(batch, int(nb.max()), dtype=torch.int32)
-        for i, off in enumerate(np.cumsum(nb) - nb):
-            bt[i, : nb[i]] = perm[off : off + nb[i]]
-        meta = AttentionMetadata(
-            query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=DEV),
-            seq_lens=torch.from_numpy(lens).int().to(DEV), block_tables=bt.to(DEV),
-            slot_mapping=torch.zeros(batch, dtype=torch.int64, device=DEV),
-            host={"query_start_loc": np.arange(batch + 1), "seq_lens": lens},
-        )  # fmt: skip
-        kc = torch.randn(int(nb.sum()), bs, kvh, d, device=DEV, dtype=BF16)
+        meta, blocks = paged_meta(np.ones(batch, dtype=np.int64), lens, bs)
+        kc = torch.randn(blocks, bs, kvh, d, device=DEV, dtype=BF16)
         vc = torch.randn_like(kc)
         q = torch.randn(batch, h, d, device=DEV, dtype=BF16)
         plan = triton_attention.prepare(meta, h, kvh, DEV)
@@ -195,18 +194,9 @@ def prefill_sweep() -> None:
         else:
             new = np.full(16, 512)
             ctx = new + rng.integers(0, 3073, 16)
-        qsl = np.concatenate([[0], np.cumsum(new)]).astype(np.int64)
-        nb = -(-ctx // bs)
-        bt = torch.zeros(len(ctx), int(nb.max()), dtype=torch.int32)
-        perm = torch.randperm(int(nb.sum())).int()
-        for i, off in enumerate(np.cumsum(nb) - nb):
-            bt[i, : nb[i]] = perm[off : off + nb[i]]
-        meta = AttentionMetadata(
-            query_start_loc=torch.from_numpy(qsl).int().to(DEV), seq_lens=torch.from_numpy(ctx).int().to(DEV),
-            block_tables=bt.to(DEV), slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64, device=DEV),
-            host={"query_start_loc": qsl, "seq_lens": ctx},
-        )  # fmt: skip
-        kc = torch.randn(int(nb.sum()), bs, kvh, d, device=DEV, dtype=BF16)
+        meta, blocks = paged_meta(new, ctx, bs)
+        qsl = meta.host["query_start_loc"]
+        kc = torch.randn(blocks, bs, kvh, d, device=DEV, dtype=BF16)
         vc = torch.randn_like(kc)
         q = torch.randn(int(qsl[-1]), h, d, device=DEV, dtype=BF16)
         causal = sum(int(n) * (int(c) - int(n)) + int(n) * (int(n) + 1) / 2 for n, c in zip(new, ctx))
