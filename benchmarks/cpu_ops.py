@@ -2,7 +2,8 @@
 linear (F.linear vs oneDNN-packed weights), KV block gather (advanced indexing vs index_select),
 RMSNorm (F.rms_norm vs a vector_norm formulation, which was not kept: no reproducible gain), and a
 small op's cost right after a product has streamed a layer's weights through the caches (what the
-ops between the products of a decode step pay in the model).
+ops between the products of a decode step pay in the model), and oneDNN's fused post-ops for the
+ops between products (not kept: slower).
 
     python benchmarks/cpu_ops.py
 """
@@ -66,21 +67,95 @@ def main() -> None:
         print(f"  rows {m:>5}: F.rms_norm {a:8.1f}   vector_norm form {b:8.1f}")
 
     # The gate_up matrix of 60 layers in turn (~210 MB, past the caches), as a decode step streams them.
-    gate_up = [torch.ops.mkldnn._reorder_linear_weight((torch.randn(3072, 576) * 0.05).to(bf), 64) for _ in range(60)]
-    print("\nresidual add + RMSNorm, alone and right after a 3,072 x 576 product (us):")
+    gate_up = [
+        torch.ops.mkldnn._reorder_linear_weight((torch.randn(3072, 576) * 0.05).to(bf), 64) for _ in range(60)
+    ]
+    plain = [(torch.randn(3072, 576) * 0.05).to(bf) for _ in range(60)]
+    small = torch.ops.mkldnn._reorder_linear_weight((torch.randn(576, 576) * 0.05).to(bf), 64)
+    print("\nresidual add + RMSNorm (us), alone and right after another op; 2 threads, then 1 thread:")
     for m in (1, 64):
         x, r = torch.randn(m, 576).to(bf), torch.randn(m, 576).to(bf)
-        times = {}
-        for after in (False, True):
-            total = 0.0
-            for p in gate_up * 3:
-                if after:
-                    torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-                t = time.perf_counter()
-                F.rms_norm(x + r, (576,), w, 1e-5)
-                total += time.perf_counter() - t
-            times[after] = total / (3 * len(gate_up)) * 1e6
-        print(f"  rows {m:>5}: alone {times[False]:8.1f}   after a product {times[True]:8.1f}")
+        before = {
+            "nothing": None,
+            "a 3,072 x 576 product (3.5 MB of weights)": lambda i, x=x: torch.ops.mkldnn._linear_pointwise(
+                x, gate_up[i], None, "none", [], ""),
+            "a 576 x 576 product (0.66 MB)": lambda i, x=x: torch.ops.mkldnn._linear_pointwise(
+                x, small, None, "none", [], ""),
+            "float32 sum() over the same 3.5 MB": lambda i: plain[i].view(torch.float32).sum(),
+            "a 50 us busy wait": lambda i: busy_wait(50e-6),
+        }  # fmt: skip
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            for name, op in before.items():
+                total = 0.0
+                for i in range(3 * len(gate_up)):
+                    if op is not None:
+                        op(i % len(gate_up))
+                    t = time.perf_counter()
+                    F.rms_norm(x + r, (576,), w, 1e-5)
+                    total += time.perf_counter() - t
+                print(
+                    f"  rows {m:>3}, {threads} thread(s), after {name:42s} {total / (3 * len(gate_up)) * 1e6:8.1f}"
+                )
+        torch.set_num_threads(2)
+
+    post_op_fusion(bf)
+
+
+def busy_wait(seconds: float) -> None:
+    t = time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        pass
+
+
+def post_op_fusion(bf) -> None:
+    """A decoder's products and the ops between them (attention left out), 30 layers of SmolLM2's
+    shapes, as arcserve runs them against oneDNN's fused post-ops: the residual adds as a binary
+    "add" post-op of the o and down products, SiLU-mul as a "swish" post-op of the gate product and
+    a binary "mul" post-op of the up product (two products instead of gate_up). Not kept: slower."""
+    H, INTER, L = 576, 1536, 30
+    lin = torch.ops.mkldnn._linear_pointwise
+    pack = lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 64)  # noqa: E731
+
+    def rand(n, k):
+        return (torch.randn(n, k) * 0.05).to(bf)
+
+    layers = []
+    for _ in range(L):
+        wg, wu = rand(INTER, H), rand(INTER, H)
+        layers.append({"qkv": pack(rand(960, H)), "o": pack(rand(H, H)), "gu": pack(torch.cat([wg, wu])),
+                       "g": pack(wg), "u": pack(wu), "d": pack(rand(H, INTER)), "n": torch.randn(H).to(bf)})  # fmt: skip
+
+    def eager(r, attn):
+        h = F.rms_norm(r, (H,), layers[0]["n"], 1e-5)
+        for w in layers:
+            lin(h, w["qkv"], None, "none", [], "")
+            r = lin(attn, w["o"], None, "none", [], "") + r
+            gu = lin(F.rms_norm(r, (H,), w["n"], 1e-5), w["gu"], None, "none", [], "")
+            r = lin(F.silu(gu[:, :INTER]) * gu[:, INTER:], w["d"], None, "none", [], "") + r
+            h = F.rms_norm(r, (H,), w["n"], 1e-5)
+        return h
+
+    def fused(r, attn):
+        h = F.rms_norm(r, (H,), layers[0]["n"], 1e-5)
+        for w in layers:
+            lin(h, w["qkv"], None, "none", [], "")
+            r = lin(attn, r, w["o"], None, "add")
+            h = F.rms_norm(r, (H,), w["n"], 1e-5)
+            a = lin(h, lin(h, w["g"], None, "swish", [], ""), w["u"], None, "mul")
+            r = lin(a, r, w["d"], None, "add")
+            h = F.rms_norm(r, (H,), w["n"], 1e-5)
+        return h
+
+    print("\n30 decoder layers without attention (ms): eager ops against oneDNN post-ops")
+    for m in (1, 64):
+        r, attn = torch.randn(m, H).to(bf), torch.randn(m, H).to(bf)
+        times = {"eager": [], "post-ops": []}
+        for _ in range(5):
+            times["eager"].append(timed(lambda r=r, attn=attn: eager(r, attn), 5))
+            times["post-ops"].append(timed(lambda r=r, attn=attn: fused(r, attn), 5))
+        e, f = (sorted(v)[2] for v in times.values())
+        print(f"  rows {m:>3}: eager {e:7.2f}   post-ops {f:7.2f}")
 
 
 if __name__ == "__main__":

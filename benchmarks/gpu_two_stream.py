@@ -1,0 +1,210 @@
+"""Decode forward of a batch as one graph against the same batch in two halves on two streams
+(one graph, the halves' kernels free to run side by side): does running a second chain beside the
+first hide the per-launch time of the small products? Qwen3-0.6B shape, dummy weights, bf16, context
+lengths uniform in [lo, hi] over random blocks. An experiment (arcserve does not split batches).
+
+    PYTHONPATH=. python3 benchmarks/gpu_two_stream.py [--batches 64 128 256] [--parts 2 4]
+                                                      [--lo 200 --hi 1600] [--profile DIR/prefix]
+
+--profile also traces five replays of the one-graph forward per batch (kernel time against the
+replays' span, the largest kernels). Results: docs/BENCHMARKS.md, H100 section, session 17.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from model_shapes import make_shape_dirs  # noqa: E402
+
+from arcserve import LLM  # noqa: E402
+from arcserve.engine.step_graphs import StepGraphs  # noqa: E402
+from arcserve.platform import capture, graph_pool, new_graph, synchronize  # noqa: E402
+
+
+def per_stream_counters() -> None:
+    """The kernels that merge their programs' work share one counter buffer per device (launches
+    one after another on a stream leave it zeroed); kernels on two streams at once need one each."""
+    from arcserve.kernels import triton_attention, triton_ops
+
+    bufs = {}
+
+    def counters(n: int, device) -> torch.Tensor:
+        key = torch.cuda.current_stream(device).stream_id
+        if key not in bufs or bufs[key].numel() < n:
+            bufs[key] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        return bufs[key]
+
+    triton_ops.zeroed_counters = triton_attention.zeroed_counters = counters
+
+
+def fill(sg: StepGraphs, ids, positions, slots, seq_lens, tables) -> None:
+    """Write a decode batch into sg's static inputs (what StepGraphs.run does before a replay)."""
+    n = len(ids)
+    hs, hbuf = sg.hsts[0], sg.hbufs[0]
+    qsl = np.arange(n + 1)
+    seq, q0 = sg.plan_tiles(qsl, sg.block_q["decode"])
+    hs["ids"][:n], hs["positions"][:n], hs["slots"][:n] = ids, positions, slots
+    hs["qsl"][: n + 1] = qsl
+    hs["seq_lens"][:n] = seq_lens
+    hs["tile_seq"][: len(seq)] = seq
+    hs["tile_q"][: len(q0)] = q0
+    hs["block_tables"][:n, : tables.shape[1]] = tables
+    sg.buf.copy_(hbuf)
+
+
+def profile_replay(g, n: int, wall_ms: float, path: str) -> None:
+    """Kernels of 5 replays: their summed durations against the replays' span (the rest is gaps
+    between kernels), the largest kernels by name."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            g.replay()
+        synchronize(g_dev)
+    prof.export_chrome_trace(path)
+    ev = [e for e in json.load(open(path))["traceEvents"] if e.get("cat") == "kernel"]
+    ev.sort(key=lambda e: e["ts"])
+    span = (ev[-1]["ts"] + ev[-1]["dur"] - ev[0]["ts"]) / 5
+    busy = sum(e["dur"] for e in ev) / 5
+    per: dict = {}
+    for e in ev:
+        k = e["name"][:60]
+        d, c = per.get(k, (0.0, 0))
+        per[k] = (d + e["dur"] / 5, c + 1)
+    gaps = sorted(b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(ev, ev[1:]))
+    print(f"  batch {n}: replay {wall_ms:.3f} ms wall; kernels {len(ev) // 5} a replay, span {span / 1e3:.3f} ms, "
+          f"busy {busy / 1e3:.3f} ms; gap median {gaps[len(gaps) // 2]:.2f} us")  # fmt: skip
+    for k, (d, c) in sorted(per.items(), key=lambda kv: -kv[1][0])[:8]:
+        print(f"    {k:60s} {d:8.1f} us  {c // 5:4d} calls  {d / max(1, c // 5):6.2f} us/call")
+
+
+def timed(g, reps: int = 30) -> float:
+    g.replay()
+    synchronize(g_dev)
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        g.replay()
+        synchronize(g_dev)
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts)) * 1e3
+
+
+def graph_of_parts(model, kv, bs: int, pool, side: list, batch: tuple, parts: int, streams: bool):
+    """One graph of the batch's decode forward in `parts` parts, one after another on one stream or
+    (streams) each on its own stream, forked before the first and joined after the last.
+    Returns (graph, each part's output)."""
+    dev = model.device
+    n = len(batch[0])
+    sizes = [n // parts] * parts
+    sizes[-1] += n - sum(sizes)
+    sgs, metas, lo = [], [], 0
+    for s in sizes:
+        sg = StepGraphs(model, kv, bs, 4096, s, 256)
+        fill(sg, *(x[lo : lo + s] for x in batch))
+        sgs.append(sg)
+        metas.append(sg._meta("decode", s))
+        lo += s
+    for sg, m, s in zip(sgs, metas, sizes):
+        sg._forward("decode", s, m)  # warm-up / compile
+    synchronize(dev)
+    g = new_graph(dev)
+    outs = []
+    with capture(g, dev, pool):
+        main_s = torch.cuda.current_stream(dev)
+        if streams:  # fork every side stream before the first part is issued
+            for j in range(1, parts):
+                side[j].wait_stream(main_s)
+        for j, (sg, m, s) in enumerate(zip(sgs, metas, sizes)):
+            if streams and j:
+                with torch.cuda.stream(side[j]):
+                    outs.append(sg._forward("decode", s, m))
+            else:
+                outs.append(sg._forward("decode", s, m))
+        if streams:
+            for j in range(1, parts):
+                main_s.wait_stream(side[j])
+    return g, outs
+
+
+g_dev = None
+
+
+@torch.inference_mode()
+def main() -> None:
+    global g_dev
+    p = argparse.ArgumentParser()
+    p.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--lo", type=int, default=200)
+    p.add_argument("--hi", type=int, default=1600)
+    p.add_argument("--parts", type=int, nargs="+", default=[2])
+    p.add_argument(
+        "--profile", default=None, help="write a per-kernel timeline of one-graph replays (json) here"
+    )
+    a = p.parse_args()
+    per_stream_counters()
+    d = make_shape_dirs(tempfile.mkdtemp())["qwen3-0.6b"]
+    B = max(a.batches)
+    llm = LLM(model=str(d), load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=B,
+              enforce_eager=True, max_num_batched_tokens=256)  # fmt: skip
+    runner = llm.llm_engine.runner
+    model, kv, bs = runner.model, runner.kv_caches, runner.block_size
+    g_dev = dev = model.device
+    nblocks = kv[0][0].shape[0]
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    for k, v in kv:  # real data, not zeros
+        k.normal_()
+        v.normal_()
+    pool = graph_pool(dev)
+    side = [torch.cuda.Stream(dev) for _ in range(max(a.parts))]
+    print(
+        f"{'batch':>5s} {'parts':>5s} {'one graph ms':>12s} {'parts, one stream':>17s} {'parts, streams':>14s}"
+    )
+    for n in a.batches:
+        ctx = rng.integers(a.lo, a.hi + 1, n)
+        nb = -(-ctx // bs)
+        assert nb.sum() <= nblocks, (nb.sum(), nblocks)
+        perm = rng.permutation(nblocks)[: nb.sum()]
+        tables = np.zeros((n, nb.max()), dtype=np.int64)
+        for i, off in enumerate(np.cumsum(nb) - nb):
+            tables[i, : nb[i]] = perm[off : off + nb[i]]
+        pos = ctx - 1
+        slots = tables[np.arange(n), pos // bs] * bs + pos % bs
+        ids = rng.integers(1000, 150000, n)
+
+        batch = (ids, pos, slots, ctx, tables)
+        graph_of = functools.partial(graph_of_parts, model, kv, bs, pool, side, batch)
+
+        g1, (o1,) = graph_of(1, False)
+        t1 = timed(g1)
+        if a.profile:
+            profile_replay(g1, n, t1, f"{a.profile}.{n}.json")
+        ref = o1.float().clone()
+        for parts in a.parts:
+            gs, os_ = graph_of(parts, False)
+            ts_ = timed(gs)
+            gm, om = graph_of(parts, True)
+            tm = timed(gm)
+            got_s, got_m = (torch.cat([o.float() for o in outs]) for outs in (os_, om))
+            assert torch.equal(got_s, got_m), "same kernels on two streams gave other values"
+            err = ((got_s - ref).norm() / ref.norm()).item()  # other split counts: rounding only
+            print(
+                f"{n:5d} {parts:5d} {t1:12.3f} {ts_:17.3f} {tm:14.3f}   (vs one graph: rel. diff {err:.1e})"
+            )
+            del gs, gm
+
+
+if __name__ == "__main__":
+    main()
