@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI API (plus vLLM's extra sampling fields), as pydantic models.
 
 Unknown fields are accepted and ignored (clients send vendor extras); wrong types and out-of-range
-values are 400s. to_sampling_params() fills unset fields from the model's generation_config defaults.
+values are 400s, and so are known fields asking for what arcserve cannot do (structured output, tool
+calls: unsupported()), rather than being answered as if they were not there. to_sampling_params() fills unset fields from the model's generation_config defaults.
 Limits: n <= MAX_N; at most MAX_STOP stop strings of at most MAX_STOP_LEN characters; at most
 MAX_PROMPTS prompts and MAX_CHOICES choices (prompts x n) per request; seed + n - 1 fits in int64;
 prompts, messages and stop strings must be valid Unicode (JSON can carry lone surrogates such as
@@ -45,6 +46,11 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")  # json_schema and the like: refused by type anyway
+    type: str
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -70,6 +76,27 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # Structured output (OpenAI's response_format, vLLM's guided_* and structured_outputs) needs
+    # constrained decoding, which arcserve does not have: such requests are refused (unsupported()),
+    # never answered unconstrained.
+    response_format: ResponseFormat | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(parameter, message) of the first field set to something arcserve cannot honour, if any."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format", (
+                f"response_format {{'type': {self.response_format.type!r}}} is not supported: arcserve has no "
+                "constrained (structured-output) decoding; leave response_format out or use {'type': 'text'}"
+            )
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+            if getattr(self, name) is not None:
+                return name, f"{name} is not supported: arcserve has no constrained (structured-output) decoding"
+        return None
 
     # Wrong types get one clear message each (pydantic's names a member of the union: "stop.str").
     @field_validator("stop", mode="wrap")
@@ -209,6 +236,24 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calling needs a tool-call parser, which arcserve does not have: tools are refused, not
+    # silently left out of the prompt; tool_choice only as "none" or "auto" without tools.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                return name, (
+                    f"{name} are not supported: arcserve has no tool calling (no tool-call parser); leave {name} out"
+                )
+        for name in ("tool_choice", "function_call"):
+            v = getattr(self, name)
+            if v is not None and v not in ("none", "auto"):
+                return name, f"{name} {v!r} asks for a tool call, which arcserve does not support (no tools)"
+        return super().unsupported()
 
 
 class TokenizeRequest(BaseModel):

@@ -148,7 +148,14 @@ class Serving:
             offset += len(s)
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
+    @staticmethod
+    def _refuse_unsupported(body) -> None:
+        got = body.unsupported()
+        if got is not None:
+            raise APIError(400, got[1], param=got[0], code="unsupported")
+
     async def completions(self, body: CompletionRequest, raw: Request):
+        self._refuse_unsupported(body)
         if body.suffix is not None:
             raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
         if body.best_of is not None and body.best_of != body.n:
@@ -275,6 +282,7 @@ class Serving:
         return {"content": content}
 
     async def chat(self, body: ChatCompletionRequest, raw: Request, chat_template: str | None):
+        self._refuse_unsupported(body)
         text, ids = await self.render_chat(body, chat_template, body.chat_template_kwargs)
         prompt = {"prompt_token_ids": ids, "prompt": text}
         k = body.top_logprobs or 0

@@ -50,6 +50,20 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "seed": "abc"}, "seed", ""),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of", "best_of"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix", "suffix"),
+    # structured output and tool calling: refused, never answered unconstrained or without the tools
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format", "json_object"),
+    ("/v1/completions", {"prompt": "x", "guided_choice": ["a", "b"]}, "guided_choice", "not supported"),
+    ("/v1/completions", {"prompt": "x", "response_format": "json"}, ANY, ""),
+    ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {}}},
+     "response_format", "json_schema"),
+    ("/v1/chat/completions", {"messages": USER, "guided_json": {"type": "object"}}, "guided_json", "not supported"),
+    ("/v1/chat/completions", {"messages": USER, "structured_outputs": {"regex": "a+"}}, "structured_outputs", ""),
+    ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools", "tool calling"),
+    ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": "none"}, "tools", "tool calling"),
+    ("/v1/chat/completions", {"messages": USER, "tool_choice": "required"}, "tool_choice", "required"),
+    ("/v1/chat/completions", {"messages": USER, "functions": [{"name": "f"}]}, "functions", "tool calling"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": "maybe"}}, ANY, ""),
     ("/v1/completions", {"prompt": "x", "priority": "high"}, "priority", ""),
     ("/v1/completions", {"prompt": []}, "prompt", "empty"),
@@ -167,6 +181,23 @@ def test_body_not_an_object_is_400(server, raw):
 
 def test_unknown_fields_are_ignored(client):
     r = client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"some_vendor_field": 1})
+    assert r.usage.completion_tokens <= 2
+
+
+def test_unsupported_features_refused_with_their_code(client):
+    """Structured output and tool calls get code "unsupported" (the OpenAI client raises), while the
+    values that ask for nothing are served: response_format text, no tools, tool_choice none/auto."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=USER, response_format={"type": "json_object"})
+    assert e.value.param == "response_format" and e.value.code == "unsupported"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=USER, stream=True,
+                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])  # fmt: skip
+    assert e.value.param == "tools" and e.value.code == "unsupported"
+    for extra in ({"response_format": {"type": "text"}}, {"tools": [], "tool_choice": "none"}, {"tool_choice": "auto"}):
+        r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, temperature=0, **extra)
+        assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens <= 2
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"response_format": {"type": "text"}})
     assert r.usage.completion_tokens <= 2
 
 

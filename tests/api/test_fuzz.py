@@ -86,6 +86,9 @@ SEMANTICS = {
     "min_tokens": {"type": "integer", "minimum": 0, "maximum": 1},
     "best_of": {"type": "null"},
     "suffix": {"type": "null"},
+    # refused whatever their value (structured output, tool calls): null lets valid cases through
+    **dict.fromkeys(["response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs", "tools", "functions", "tool_choice", "function_call"], {"type": "null"}),
     "chat_template_kwargs": {
         "type": "object",
         "maxProperties": 2,
