@@ -174,6 +174,25 @@ def test_kv_cache_too_small_for_max_model_len(llama_dir):
         LLM(str(llama_dir), num_kv_blocks=4, max_model_len=128)
 
 
+def test_max_model_len_past_the_trained_positions(tmp_path, llama_dir, monkeypatch):
+    """Refused (the tiny llama has 512 positions) unless ARCSERVE_ALLOW_LONG_MAX_MODEL_LEN=1, which
+    serves it with a warning; linear RoPE scaling extends the trained length by its factor."""
+    with pytest.raises(ValueError, match="max_model_len 600 is longer than the 512 positions.*ALLOW_LONG"):
+        LLM(str(llama_dir), max_model_len=600, num_kv_blocks=64)
+    monkeypatch.setenv("ARCSERVE_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    out = LLM(str(llama_dir), max_model_len=600, num_kv_blocks=64).generate([[5] * 550], greedy(8))
+    assert len(out[0].outputs[0].token_ids) == 8
+    monkeypatch.delenv("ARCSERVE_ALLOW_LONG_MAX_MODEL_LEN")
+    scaled = tmp_path / "linear_rope"
+    shutil.copytree(llama_dir, scaled)
+    cfg = json.loads((scaled / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    (scaled / "config.json").write_text(json.dumps(cfg))
+    assert LLM(str(scaled), max_model_len=1024, num_kv_blocks=64).llm_engine.max_model_len == 1024
+    with pytest.raises(ValueError, match="1025 is longer than the 1024 positions"):
+        LLM(str(scaled), max_model_len=1025, num_kv_blocks=80)
+
+
 def test_loading_errors_name_what_is_missing(tmp_path, llama_dir):
     with pytest.raises(FileNotFoundError, match="not found"):
         LLM(str(tmp_path / "nope"))

@@ -6,6 +6,8 @@ alone to tokenize and validate requests before handing them over.
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 
 import numpy as np
@@ -16,6 +18,24 @@ from arcserve.engine.request import Request
 from arcserve.models.config import ModelConfig
 from arcserve.models.hf_files import load_generation_defaults, load_tokenizer
 from arcserve.sampling_params import RequestOutputKind, SamplingParams
+
+log = logging.getLogger("arcserve")
+ALLOW_LONG_ENV = "ARCSERVE_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+def check_max_model_len(max_model_len: int, cfg: ModelConfig) -> None:
+    """A max_model_len past the positions the model was trained for is refused (as vLLM does): RoPE
+    there is extrapolated and the outputs silently degrade. ARCSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 lets
+    it through with a warning (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
+    trained = cfg.trained_positions
+    if max_model_len <= trained:
+        return
+    what = (f"max_model_len {max_model_len} is longer than the {trained} positions this model was trained for "
+            "(config.json: max_position_embeddings, and the factor of linear RoPE scaling)")  # fmt: skip
+    if os.environ.get(ALLOW_LONG_ENV) != "1":
+        raise ValueError(f"{what}; outputs past {trained} positions would be unreliable. Lower max_model_len, or "
+                         f"set {ALLOW_LONG_ENV}=1 to allow it anyway")  # fmt: skip
+    log.warning("%s; allowed by %s=1, outputs past %d positions may be wrong", what, ALLOW_LONG_ENV, trained)
 
 
 class InputProcessor:
@@ -34,6 +54,7 @@ class InputProcessor:
         self.eos_token_ids = frozenset(eos)
         self.chat_template: str | None = None  # overrides the tokenizer's (server --chat-template)
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
+        check_max_model_len(self.max_model_len, cfg)
 
     def default_sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.generation_defaults.sampling)

@@ -106,6 +106,15 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}")
         return _DTYPES[dtype]
 
+    @property
+    def trained_positions(self) -> int:
+        """The longest context the checkpoint was made for, as vLLM derives it: max_position_embeddings,
+        times the factor of linear RoPE scaling (Llama 3's scaling is in max_position_embeddings already)."""
+        s = self.rope_scaling
+        if s and s["rope_type"] == "linear":
+            return int(self.max_position_embeddings * s["factor"])
+        return self.max_position_embeddings
+
     def rope_cos_sin(self, max_pos: int) -> torch.Tensor:
         """[max_pos, head_dim] float32: cos of every position in the first half, sin in the second."""
         dim = self.head_dim
