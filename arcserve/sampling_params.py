@@ -39,6 +39,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # top-k logprobs of every prompt token (after the first)
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's name)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
@@ -102,6 +103,11 @@ class SamplingParams:
                         f"logit_bias maps token ids >= 0 to values in [-100, 100], got {tok}: {bias}"
                     )
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if isinstance(ids, (str, bytes)) or not ids or any(isinstance(t, bool) or int(t) != t or t < 0 for t in ids):
+                raise bad("allowed_token_ids", "a non-empty list of token ids >= 0 (or None)")
+            self.allowed_token_ids = sorted({int(t) for t in ids})
 
     @property
     def greedy(self) -> bool:
@@ -122,4 +128,6 @@ class SamplingParams:
         c.stop, c.stop_token_ids = list(self.stop), list(self.stop_token_ids)  # lists after __post_init__
         if self.logit_bias is not None:
             c.logit_bias = dict(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            c.allowed_token_ids = list(self.allowed_token_ids)
         return c

@@ -73,6 +73,7 @@ class _Sampling(BaseModel):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[StrictInt] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
@@ -85,9 +86,20 @@ class _Sampling(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    # vLLM sampling extras arcserve does not implement: refused when they ask for something
+    use_beam_search: bool = False
+    bad_words: list[str] | None = None
+    logits_processors: list[Any] | None = None
+    truncate_prompt_tokens: int | None = None
+    return_tokens_as_token_ids: bool = False
 
     def unsupported(self) -> tuple[str, str] | None:
         """(parameter, message) of the first field set to something arcserve cannot honour, if any."""
+        for name in ("use_beam_search", "bad_words", "logits_processors", "truncate_prompt_tokens",
+                     "return_tokens_as_token_ids"):  # fmt: skip
+            v = getattr(self, name)
+            if v is not None and v is not False and v != []:
+                return name, f"{name} is not supported by arcserve; leave it out"
         if self.response_format is not None and self.response_format.type != "text":
             return "response_format", (
                 f"response_format {{'type': {self.response_format.type!r}}} is not supported: arcserve has no "
@@ -150,7 +162,7 @@ class _Sampling(BaseModel):
             repetition_penalty=pick("repetition_penalty", 1.0), seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, stop=self._stop_list(), stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias, allowed_token_ids=self.allowed_token_ids,
             skip_special_tokens=self.skip_special_tokens,
         )  # fmt: skip
 

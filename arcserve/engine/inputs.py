@@ -153,6 +153,10 @@ class InputProcessor:
         for t in list(params.logit_bias or {}) + params.stop_token_ids:
             if t >= vocab:
                 raise ValueError(f"Token id {t} in logit_bias/stop_token_ids is outside [0, {vocab})")
+        if params.allowed_token_ids and params.allowed_token_ids[-1] >= vocab:  # sorted
+            raise ValueError(
+                f"allowed_token_ids must hold token ids in [0, {vocab}); got {params.allowed_token_ids[-1]}"
+            )
 
 
 def _int_list(ids) -> list[int]:

@@ -5,7 +5,8 @@ the requests packs their parameters into a few numpy arrays, which reach the dev
 asynchronous copy each (the host never waits for the device here, so overlapped steps stay
 overlapped). No token-level Python loop, no per-request device op.
 
-Order of processing, as in vLLM: logprobs are taken from the raw logits; then logit_bias, min_tokens
+Order of processing, as in vLLM: logprobs are taken from the raw logits; then allowed_token_ids (every
+other token masked), logit_bias, min_tokens
 (stop tokens masked), repetition/frequency/presence penalties; greedy rows take the argmax; the other
 rows apply temperature, top-k, top-p and min-p and sample by inverse CDF: one uniform number per row
 located in the row's cumulative distribution (kernels' sample_from_cdf: one Triton launch on GPUs).
@@ -142,7 +143,7 @@ def apply_top_k_top_p_min_p(
 # Columns of the per-row float parameters, copied to the device as one array.
 _TEMP, _INV_T, _TOP_P, _MIN_P, _TOP_K, _U = range(6)
 # What a row needs beyond plain sampling, as bits of its flags.
-_LOGPROBS, _BIAS, _MIN_TOKENS, _PENALTIES, _GREEDY, _SEEDED = (1 << i for i in range(6))
+_LOGPROBS, _BIAS, _MIN_TOKENS, _PENALTIES, _GREEDY, _SEEDED, _ALLOWED = (1 << i for i in range(7))
 
 
 def _static_row(req: Request, V: int) -> tuple[int, np.ndarray]:
@@ -157,6 +158,7 @@ def _static_row(req: Request, V: int) -> tuple[int, np.ndarray]:
         (_LOGPROBS if p.logprobs is not None else 0) | (_BIAS if p.logit_bias else 0)
         | (_MIN_TOKENS if p.min_tokens > 0 else 0) | (_PENALTIES if p.needs_penalties else 0)
         | (_GREEDY if p.greedy else 0) | (_SEEDED if req.seed is not None else 0)
+        | (_ALLOWED if p.allowed_token_ids else 0)
     )  # fmt: skip
     return flags, row
 
@@ -191,14 +193,21 @@ class Sampler:
         lp_rows = rows_with(_LOGPROBS)
         raw_logprobs = logits.float().log_softmax(dim=-1) if lp_rows else None
 
+        allowed_rows = rows_with(_ALLOWED)
         bias_rows = rows_with(_BIAS)
         mask_rows = [
             i for i in rows_with(_MIN_TOKENS)
             if num_sampled(reqs[i]) + (offsets[i] if offsets is not None else 0) < reqs[i].params.min_tokens
         ]  # fmt: skip
         pen_rows = rows_with(_PENALTIES)
-        if bias_rows or mask_rows or pen_rows:  # edited in place: a float32 copy
+        if allowed_rows or bias_rows or mask_rows or pen_rows:  # edited in place: a float32 copy
             logits = logits.to(torch.float32, copy=True)
+        if allowed_rows:  # -inf everywhere in those rows but at their allowed ids
+            rows, ids = _flat(allowed_rows, [[t for t in reqs[i].params.allowed_token_ids if t < V] for i in allowed_rows])
+            ids_d = to_device(np.stack([rows, ids]), dev)
+            kept = logits[ids_d[0], ids_d[1]]
+            logits[to_device(np.asarray(allowed_rows, dtype=np.int64), dev)] = float("-inf")
+            logits[ids_d[0], ids_d[1]] = kept
         if bias_rows:
             biases = [{t: b for t, b in reqs[i].params.logit_bias.items() if t < V} for i in bias_rows]
             rows, ids = _flat(bias_rows, [list(d) for d in biases])

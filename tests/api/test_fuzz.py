@@ -73,6 +73,7 @@ SEMANTICS = {
     },
     "tokens": {"type": "array", "items": _ID},
     "stop_token_ids": {"type": "array", "items": _ID, "maxItems": 4},
+    "allowed_token_ids": {"type": "array", "items": _ID, "minItems": 1, "maxItems": 4},
     "logit_bias": {
         "type": "object",
         "propertyNames": {"pattern": "^(?:[0-9]|[1-9][0-9]|[12][0-9][0-9]|3[01][0-9])$"},
@@ -88,7 +89,10 @@ SEMANTICS = {
     "suffix": {"type": "null"},
     # refused whatever their value (structured output, tool calls): null lets valid cases through
     **dict.fromkeys(["response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "structured_outputs", "tools", "functions", "tool_choice", "function_call"], {"type": "null"}),
+                     "structured_outputs", "tools", "functions", "tool_choice", "function_call", "bad_words",
+                     "logits_processors", "truncate_prompt_tokens"], {"type": "null"}),
+    "use_beam_search": {"const": False},
+    "return_tokens_as_token_ids": {"const": False},
     "chat_template_kwargs": {
         "type": "object",
         "maxProperties": 2,

@@ -155,6 +155,42 @@ def test_logit_bias_shifts_logits():
     assert set(draw(row, SamplingParams(temperature=1.0, logit_bias={1: -100.0}), 1000)) == {0, 2, 3}
 
 
+def test_allowed_token_ids_only_those_are_sampled():
+    g = torch.Generator().manual_seed(2)
+    row = torch.randn(60, generator=g) * 2
+    allowed = [3, 17, 41, 59]
+    assert row.argmax().item() not in allowed
+    best = max(allowed, key=lambda t: row[t].item())
+    assert Sampler(CPU, 0)(row[None].clone(), [make_req(SamplingParams(temperature=0, allowed_token_ids=allowed))]).tokens.item() == best  # fmt: skip
+    drawn = draw(row, SamplingParams(temperature=1.5, allowed_token_ids=allowed), 2000)
+    assert set(drawn) == set(allowed)  # every allowed id is reachable at this temperature, no other
+    # Per row: mixed with unrestricted, biased, top-k and seeded rows in one batch; logprobs stay raw.
+    logits = row.expand(4, -1).clone()
+    reqs = [make_req(SamplingParams(temperature=0)),
+            make_req(SamplingParams(temperature=0, allowed_token_ids=allowed, logit_bias={3: 50.0}, logprobs=2)),
+            make_req(SamplingParams(temperature=1.0, top_k=2, allowed_token_ids=[5, 6, 7]), seed=4),
+            make_req(SamplingParams(temperature=0, allowed_token_ids=[9]))]  # fmt: skip
+    out = Sampler(CPU, 0)(logits, reqs)
+    assert out.tokens.tolist()[0] == row.argmax().item() and out.tokens.tolist()[1] == 3 and out.tokens.tolist()[3] == 9
+    two = sorted((5, 6, 7), key=lambda t: -row[t].item())[:2]
+    assert out.tokens.tolist()[2] in two
+    assert out.topk_ids[0].tolist() == row.topk(2).indices.tolist()  # the raw logits' top 2, not the allowed ids'
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[1, -2])
+
+
+def test_allowed_token_ids_end_to_end(llama_dir):
+    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=64)
+    allowed = [11, 42, 250]
+    p = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True, allowed_token_ids=allowed)
+    (out,) = llm.generate([prompt(5, 7)], p, use_tqdm=False)
+    assert set(out.outputs[0].token_ids) <= set(allowed) and len(out.outputs[0].token_ids) == 24
+    with pytest.raises(ValueError, match=r"allowed_token_ids must hold token ids in \[0, 320\)"):
+        llm.generate([prompt(5, 7)], SamplingParams(allowed_token_ids=[3, 320]), use_tqdm=False)
+
+
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     eos, stop_id = 2, 5
     logits = torch.tensor([[0.0, 1.0, 9.0, 2.0, 3.0, 8.0]])  # eos, then stop_id, then token 4
