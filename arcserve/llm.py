@@ -81,13 +81,16 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """messages: one conversation (a list of {"role", "content"} dicts) or a list of them."""
+        """messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
+        continue_final_message=True (with add_generation_prompt=False) continues the last message."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             {"prompt_token_ids": ids, "prompt": text}
             for text, ids in (
-                self.llm_engine.apply_chat_template(c, chat_template, add_generation_prompt, chat_template_kwargs)
+                self.llm_engine.apply_chat_template(c, chat_template, add_generation_prompt, chat_template_kwargs,
+                                                    continue_final_message)  # fmt: skip
                 for c in convs
             )
         ]

@@ -105,6 +105,18 @@ def test_chat_template(llm):
     assert two[0].outputs[0].token_ids == out.outputs[0].token_ids and len(two) == 2
 
 
+def test_chat_continue_final_message(llm):
+    """The last (assistant) message stays open: no end-of-turn after it, no new assistant header; the
+    continuation is what plain generation from that text gives."""
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, the"}]
+    out = llm.chat(conv, greedy(6), use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt == "<s>user\nhi</s>\n<s>assistant\nSure, the"
+    plain = llm.generate({"prompt_token_ids": out.prompt_token_ids}, greedy(6), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    with pytest.raises(ValueError, match="continue_final_message must come with add_generation_prompt=false"):
+        llm.chat(conv, greedy(2), use_tqdm=False, continue_final_message=True)
+
+
 def test_engine_api_stream_and_abort(llama_dir):
     engine = LLMEngine(EngineArgs(model=str(llama_dir), dtype="float32", max_model_len=128))
     engine.add_request("a", "The quick", greedy(10, output_kind=RequestOutputKind.DELTA))

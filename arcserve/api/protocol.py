@@ -247,6 +247,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     # Tool calling needs a tool-call parser, which arcserve does not have: tools are refused, not
     # silently left out of the prompt; tool_choice only as "none" or "auto" without tools.
@@ -275,6 +276,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @field_validator("prompt")
     @classmethod

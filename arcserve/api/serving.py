@@ -50,7 +50,7 @@ class Serving:
         """The request's messages through the chat template: (text, token ids); a long chat is
         rendered off the event loop; a template that fails on them is a 400."""
         messages = [m.as_template_dict() for m in body.messages]
-        args = (messages, chat_template, body.add_generation_prompt, kwargs)
+        args = (messages, chat_template, body.add_generation_prompt, kwargs, getattr(body, "continue_final_message", False))
         try:
             return await off_loop(sum(len(m["content"]) for m in messages), self.llm.apply_chat_template, *args)
         except ValueError as e:

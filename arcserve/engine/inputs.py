@@ -79,9 +79,12 @@ class InputProcessor:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        continue_final_message: bool = False,
     ) -> tuple[str, list[int]]:
         """Render a conversation with the tokenizer's (or the given) chat template; returns
-        (text, token ids). The template supplies any BOS token itself."""
+        (text, token ids). The template supplies any BOS token itself. continue_final_message: the
+        last message (an assistant's, typically) stays open, so generation continues its text
+        instead of starting a new turn (then add_generation_prompt must be False, as in vLLM)."""
         template = chat_template or self.chat_template
         if template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError(
@@ -90,14 +93,18 @@ class InputProcessor:
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"Each chat message needs 'role' and 'content'; got {m!r}")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message must come with add_generation_prompt=false (the last message is "
+                             "continued, no new turn is started)")  # fmt: skip
         kwargs = dict(chat_template_kwargs or {})
         reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
         if reserved:  # template variables only: no switching the template or the tokenizer's output
             raise ValueError(f"chat_template_kwargs must not set {', '.join(reserved)}")
         try:  # the template runs in transformers' Jinja sandbox, which has no file loader
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template, **kwargs
-            )
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template,
+                continue_final_message=continue_final_message, **kwargs,
+            )  # fmt: skip
         except Exception as e:  # a template that refuses the conversation, or breaks on it: the request's fault
             raise ValueError(f"could not apply the chat template: {type(e).__name__}: {e}") from e
         if not isinstance(text, str):

@@ -6,6 +6,7 @@ tokenize/detokenize, health/ping/version and the Prometheus counters."""
 from __future__ import annotations
 
 import httpx
+import openai
 import pytest
 
 from .helpers import MODEL, sse_data
@@ -175,6 +176,24 @@ CHAT_CASES = {
         messages=[{"role": "user", "content": "東京 🙂 café"}], max_tokens=40, **GREEDY, extra_body=NO_EOS
     ),
 }
+
+
+def test_chat_continue_final_message(client, hf):
+    """continue_final_message (with add_generation_prompt false) continues the last assistant message:
+    the prompt is the conversation with that message left open (transformers' rendering)."""
+    conv = [*MESSAGES, {"role": "assistant", "content": "Well, the"}]
+    text = "".join(f"<s>{m['role']}\n{m['content']}</s>\n" for m in conv)[: -len("</s>\n")]
+    ids = hf.tok.encode(text, add_special_tokens=False)
+    expected = hf.greedy(ids, 8)
+    r = client.chat.completions.create(model=MODEL, messages=conv, max_tokens=8, **GREEDY,
+                                       extra_body={**NO_EOS, "continue_final_message": True,
+                                                   "add_generation_prompt": False})  # fmt: skip
+    assert r.choices[0].message.content == hf.tok.decode(expected, skip_special_tokens=True)
+    assert r.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=conv, max_tokens=2,
+                                       extra_body={"continue_final_message": True})  # fmt: skip
+    assert e.value.param == "continue_final_message"
 
 
 @pytest.mark.parametrize("case", list(CHAT_CASES))
