@@ -40,6 +40,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-k logprobs of every prompt token (after the first)
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's name)
+    # Keep only the prompt's last k tokens (left truncation); -1: as many as leave room for one
+    # generated token (max_model_len - 1). None: no truncation (a too-long prompt is an error).
+    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
@@ -103,6 +106,9 @@ class SamplingParams:
                         f"logit_bias maps token ids >= 0 to values in [-100, 100], got {tok}: {bias}"
                     )
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1)):
+            raise bad("truncate_prompt_tokens", "an integer >= 1, or -1 (as many as fit), or None")
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             if isinstance(ids, (str, bytes)) or not ids or any(isinstance(t, bool) or int(t) != t or t < 0 for t in ids):

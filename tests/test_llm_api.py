@@ -105,6 +105,24 @@ def test_chat_template(llm):
     assert two[0].outputs[0].token_ids == out.outputs[0].token_ids and len(two) == 2
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    ids = [(7 * i) % 300 + 3 for i in range(300)]  # longer than max_model_len 256
+    out = llm.generate({"prompt_token_ids": ids}, greedy(5, truncate_prompt_tokens=40), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids[-40:]
+    plain = llm.generate({"prompt_token_ids": ids[-40:]}, greedy(5), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    most = llm.generate({"prompt_token_ids": ids}, greedy(1, truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert most.prompt_token_ids == ids[-255:]  # max_model_len - 1: room for one generated token
+    short = llm.generate({"prompt_token_ids": ids[:10]}, greedy(2, truncate_prompt_tokens=40), use_tqdm=False)[0]
+    assert short.prompt_token_ids == ids[:10]
+    text = llm.generate("The quick brown fox jumps", greedy(2, truncate_prompt_tokens=2), use_tqdm=False)[0]
+    assert len(text.prompt_token_ids) == 2 and text.prompt == llm.get_tokenizer().decode(text.prompt_token_ids)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+    with pytest.raises(ValueError, match="300 tokens but max_model_len is 256"):
+        llm.generate({"prompt_token_ids": ids}, greedy(2), use_tqdm=False)
+
+
 def test_chat_continue_final_message(llm):
     """The last (assistant) message stays open: no end-of-turn after it, no new assistant header; the
     continuation is what plain generation from that text gives."""

@@ -90,13 +90,12 @@ class _Sampling(BaseModel):
     use_beam_search: bool = False
     bad_words: list[str] | None = None
     logits_processors: list[Any] | None = None
-    truncate_prompt_tokens: int | None = None
     return_tokens_as_token_ids: bool = False
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: as many as fit
 
     def unsupported(self) -> tuple[str, str] | None:
         """(parameter, message) of the first field set to something arcserve cannot honour, if any."""
-        for name in ("use_beam_search", "bad_words", "logits_processors", "truncate_prompt_tokens",
-                     "return_tokens_as_token_ids"):  # fmt: skip
+        for name in ("use_beam_search", "bad_words", "logits_processors", "return_tokens_as_token_ids"):
             v = getattr(self, name)
             if v is not None and v is not False and v != []:
                 return name, f"{name} is not supported by arcserve; leave it out"
@@ -123,6 +122,13 @@ class _Sampling(BaseModel):
     @classmethod
     def _unicode_stop(cls, v):
         return _valid_unicode(v, "stop")
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, v):
+        if v is not None and v < 1 and v != -1:
+            raise ValueError("truncate_prompt_tokens must be an integer >= 1, or -1 (as many as fit)")
+        return v
 
     def _stop_list(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -163,6 +169,7 @@ class _Sampling(BaseModel):
             min_tokens=self.min_tokens, stop=self._stop_list(), stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias, allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             skip_special_tokens=self.skip_special_tokens,
         )  # fmt: skip
 

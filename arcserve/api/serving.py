@@ -39,10 +39,12 @@ class Serving:
         self._token_str = TokenTexts(self.tokenizer)  # text of one token id, decoded once per id
 
     # ---- shared --------------------------------------------------------------------------------
-    def _tokenize(self, prompts: list) -> list[dict]:
+    def _tokenize(self, prompts: list, truncate: int | None = None) -> list[dict]:
+        """Token ids (and text) of each prompt, cut to its last `truncate` tokens when asked
+        (truncate_prompt_tokens: before the length checks, as the engine would)."""
         out = []
         for p in prompts:
-            text, ids = self.llm.tokenize_prompt(p)
+            text, ids = self.llm.truncate_prompt(*self.llm.tokenize_prompt(p), truncate)
             out.append({"prompt_token_ids": ids, "prompt": text})
         return out
 
@@ -162,7 +164,8 @@ class Serving:
             raise APIError(400, "best_of must equal n (or be left out)", param="best_of")
         try:  # tokenize once; the engine gets token ids
             todo = body.prompts()
-            prompts = await off_loop(sum(len(p) for p in todo if isinstance(p, str)), self._tokenize, todo)
+            prompts = await off_loop(sum(len(p) for p in todo if isinstance(p, str)), self._tokenize, todo,
+                                     body.truncate_prompt_tokens)  # fmt: skip
         except ValueError as e:
             raise bad_request(e) from e
         plens = [len(p["prompt_token_ids"]) for p in prompts]
@@ -283,7 +286,8 @@ class Serving:
 
     async def chat(self, body: ChatCompletionRequest, raw: Request, chat_template: str | None):
         self._refuse_unsupported(body)
-        text, ids = await self.render_chat(body, chat_template, body.chat_template_kwargs)
+        text, ids = self.llm.truncate_prompt(*await self.render_chat(body, chat_template, body.chat_template_kwargs),
+                                             body.truncate_prompt_tokens)  # fmt: skip
         prompt = {"prompt_token_ids": ids, "prompt": text}
         k = body.top_logprobs or 0
         if body.top_logprobs is not None and not body.logprobs:

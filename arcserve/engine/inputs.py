@@ -111,6 +111,19 @@ class InputProcessor:
             raise ValueError("the chat template did not render to text")
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
+    def truncate_prompt(self, text: str | None, ids: list[int], k: int | None) -> tuple[str | None, list[int]]:
+        """The prompt's last k tokens (SamplingParams.truncate_prompt_tokens; -1: max_model_len - 1),
+        with the text decoded from them when that cut anything; unchanged when k is None or the prompt
+        is short enough."""
+        if k is None:
+            return text, ids
+        if k == -1:
+            k = self.max_model_len - 1
+        if len(ids) <= k:
+            return text, ids
+        ids = ids[-k:]
+        return self.tokenizer.decode(ids), ids
+
     def prepare_request(
         self,
         request_id: str,
@@ -124,7 +137,7 @@ class InputProcessor:
         The request gets its own copy of params (with output_kind, when given). Raises ValueError
         naming what is wrong."""
         params = params or self.default_sampling_params()
-        text, ids = self.tokenize_prompt(prompt)
+        text, ids = self.truncate_prompt(*self.tokenize_prompt(prompt), params.truncate_prompt_tokens)
         self._validate(ids, params)
         params = params.clone()
         params._eos_token_ids = self.eos_token_ids

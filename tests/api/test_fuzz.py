@@ -90,7 +90,8 @@ SEMANTICS = {
     # refused whatever their value (structured output, tool calls): null lets valid cases through
     **dict.fromkeys(["response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                      "structured_outputs", "tools", "functions", "tool_choice", "function_call", "bad_words",
-                     "logits_processors", "truncate_prompt_tokens"], {"type": "null"}),
+                     "logits_processors"], {"type": "null"}),
+    "truncate_prompt_tokens": {"anyOf": [{"type": "integer", "minimum": 1}, {"const": -1}]},
     "use_beam_search": {"const": False},
     "return_tokens_as_token_ids": {"const": False},
     "chat_template_kwargs": {

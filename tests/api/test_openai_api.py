@@ -178,6 +178,25 @@ CHAT_CASES = {
 }
 
 
+def test_truncate_prompt_tokens(client, hf):
+    """A prompt longer than max_model_len (256) is cut to its last k tokens before the length checks:
+    usage, echo and the tokens are those of the cut prompt."""
+    ids = [(7 * i) % 300 + 3 for i in range(300)]
+    expected = hf.greedy(ids[-100:], 6)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, echo=True, **GREEDY,
+                                  extra_body={**NO_EOS, "truncate_prompt_tokens": 100})  # fmt: skip
+    assert r.usage.prompt_tokens == 100
+    assert r.choices[0].text == hf.tok.decode(ids[-100:]) + hf.tok.decode(expected)
+    conv = [{"role": "user", "content": "word " * 400}]
+    r = client.chat.completions.create(model=MODEL, messages=conv, **GREEDY,
+                                       extra_body={**NO_EOS, "truncate_prompt_tokens": -1})  # fmt: skip
+    assert r.usage.prompt_tokens == 255 and r.usage.completion_tokens == 1  # max_model_len - 1, one token left
+    assert r.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=6)
+    assert e.value.code == "context_length_exceeded"
+
+
 def test_chat_continue_final_message(client, hf):
     """continue_final_message (with add_generation_prompt false) continues the last assistant message:
     the prompt is the conversation with that message left open (transformers' rendering)."""
