@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import operator
 from dataclasses import dataclass, field
 
 # Below this temperature sampling is greedy (argmax), as in vLLM.
@@ -43,12 +44,17 @@ class SamplingParams:
     # Keep only the prompt's last k tokens (left truncation); -1: as many as leave room for one
     # generated token (max_model_len - 1). None: no truncation (a too-long prompt is an error).
     truncate_prompt_tokens: int | None = None
+    # Words never to generate (vLLM's semantics): each word, and its form after a space, as token
+    # sequences; a sequence's last token is banned wherever the output so far ends with the rest.
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine: the model's EOS ids (config, generation_config and tokenizer).
     _eos_token_ids: frozenset[int] = field(default=frozenset(), repr=False)
+    # Filled by the engine from bad_words and the tokenizer.
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -109,11 +115,20 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1)):
             raise bad("truncate_prompt_tokens", "an integer >= 1, or -1 (as many as fit), or None")
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+                raise bad("bad_words", "a list of words that are not empty or blank (or None)")
+            self.bad_words = list(self.bad_words)
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
-            if isinstance(ids, (str, bytes)) or not ids or any(isinstance(t, bool) or int(t) != t or t < 0 for t in ids):
+            ok = isinstance(ids, (list, tuple)) and len(ids) > 0
+            try:  # operator.index: ints (numpy's too), not floats, bools or None
+                clean = sorted({operator.index(t) for t in ids if not isinstance(t, bool)}) if ok else []
+            except TypeError:
+                clean = []
+            if not clean or len(clean) != len(set(ids)) or clean[0] < 0:
                 raise bad("allowed_token_ids", "a non-empty list of token ids >= 0 (or None)")
-            self.allowed_token_ids = sorted({int(t) for t in ids})
+            self.allowed_token_ids = clean
 
     @property
     def greedy(self) -> bool:
@@ -136,4 +151,6 @@ class SamplingParams:
             c.logit_bias = dict(self.logit_bias)
         if self.allowed_token_ids is not None:
             c.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            c.bad_words = list(self.bad_words)
         return c

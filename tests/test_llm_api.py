@@ -221,6 +221,14 @@ def test_max_model_len_past_the_trained_positions(tmp_path, llama_dir, monkeypat
     assert LLM(str(scaled), max_model_len=1024, num_kv_blocks=64).llm_engine.max_model_len == 1024
     with pytest.raises(ValueError, match="1025 is longer than the 1024 positions"):
         LLM(str(scaled), max_model_len=1025, num_kv_blocks=80)
+    # a config.json that states no length: max_model_len's default is 2,048, a longer one is not refused
+    unknown = tmp_path / "no_length"
+    shutil.copytree(llama_dir, unknown)
+    cfg = json.loads((unknown / "config.json").read_text())
+    del cfg["max_position_embeddings"]
+    (unknown / "config.json").write_text(json.dumps(cfg))
+    assert LLM(str(unknown), num_kv_blocks=160).llm_engine.max_model_len == 2048
+    assert LLM(str(unknown), max_model_len=2500, num_kv_blocks=160).llm_engine.max_model_len == 2500
 
 
 def test_loading_errors_name_what_is_missing(tmp_path, llama_dir):

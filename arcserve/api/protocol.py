@@ -3,7 +3,7 @@
 Unknown fields are accepted and ignored (clients send vendor extras); wrong types and out-of-range
 values are 400s, and so are known fields asking for what arcserve cannot do (structured output, tool
 calls: unsupported()), rather than being answered as if they were not there. to_sampling_params() fills unset fields from the model's generation_config defaults.
-Limits: n <= MAX_N; at most MAX_STOP stop strings of at most MAX_STOP_LEN characters; at most
+Limits: n <= MAX_N; at most MAX_STOP stop strings (and bad_words) of at most MAX_STOP_LEN characters; at most
 MAX_PROMPTS prompts and MAX_CHOICES choices (prompts x n) per request; seed + n - 1 fits in int64;
 prompts, messages and stop strings must be valid Unicode (JSON can carry lone surrogates such as
 "\\ud800", which tokenizers and UTF-8 refuse).
@@ -74,6 +74,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[StrictInt] | None = None
     allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
@@ -87,15 +88,14 @@ class _Sampling(BaseModel):
     guided_grammar: Any = None
     structured_outputs: Any = None
     # vLLM sampling extras arcserve does not implement: refused when they ask for something
-    use_beam_search: bool = False
-    bad_words: list[str] | None = None
+    use_beam_search: bool | None = None
     logits_processors: list[Any] | None = None
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: as many as fit
 
     def unsupported(self) -> tuple[str, str] | None:
         """(parameter, message) of the first field set to something arcserve cannot honour, if any."""
-        for name in ("use_beam_search", "bad_words", "logits_processors", "return_tokens_as_token_ids"):
+        for name in ("use_beam_search", "logits_processors", "return_tokens_as_token_ids"):
             v = getattr(self, name)
             if v is not None and v is not False and v != []:
                 return name, f"{name} is not supported by arcserve; leave it out"
@@ -122,6 +122,13 @@ class _Sampling(BaseModel):
     @classmethod
     def _unicode_stop(cls, v):
         return _valid_unicode(v, "stop")
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, v):
+        if v is not None and (len(v) > MAX_STOP or any(len(w) > MAX_STOP_LEN for w in v)):
+            raise ValueError(f"bad_words must hold at most {MAX_STOP} words of at most {MAX_STOP_LEN} characters each")
+        return _valid_unicode(v, "bad_words")
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -169,7 +176,7 @@ class _Sampling(BaseModel):
             min_tokens=self.min_tokens, stop=self._stop_list(), stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias, allowed_token_ids=self.allowed_token_ids,
-            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens, bad_words=self.bad_words,
             skip_special_tokens=self.skip_special_tokens,
         )  # fmt: skip
 

@@ -16,6 +16,7 @@ draft cache has no room for proposes nothing that step.
 from __future__ import annotations
 
 from arcserve.config import EngineArgs
+from arcserve.engine.inputs import check_max_model_len
 from arcserve.engine.kv_cache import KVCacheManager
 from arcserve.engine.request import Request
 from arcserve.engine.runner import ModelRunner
@@ -48,11 +49,7 @@ def load_draft_model(path: str, engine, ops) -> DecoderModel:
             f"The draft model {path} has another tokenizer than the target (their vocabularies differ): "
             "a draft model must share the target's tokenizer"
         )
-    if cfg.max_position_embeddings < engine.max_model_len:
-        raise ValueError(
-            f"The draft model {path} supports {cfg.max_position_embeddings} positions, fewer than "
-            f"max_model_len {engine.max_model_len}"
-        )
+    check_max_model_len(engine.max_model_len, cfg, f"the draft model {path}")
     a = engine.args
     return load_model(cfg, engine.dtype, engine.device, ops, engine.max_model_len, a.load_format, a.seed)
 

@@ -23,14 +23,15 @@ log = logging.getLogger("arcserve")
 ALLOW_LONG_ENV = "ARCSERVE_ALLOW_LONG_MAX_MODEL_LEN"
 
 
-def check_max_model_len(max_model_len: int, cfg: ModelConfig) -> None:
-    """A max_model_len past the positions the model was trained for is refused (as vLLM does): RoPE
-    there is extrapolated and the outputs silently degrade. ARCSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 lets
-    it through with a warning (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
+def check_max_model_len(max_model_len: int, cfg: ModelConfig, which: str = "this model") -> None:
+    """A max_model_len past the positions the model (`which`: the target, or a draft model) was
+    trained for is refused (as vLLM does): RoPE there is extrapolated and the outputs silently
+    degrade. ARCSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 lets it through with a warning (vLLM's
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN). A config.json without max_position_embeddings states no limit."""
     trained = cfg.trained_positions
-    if max_model_len <= trained:
+    if trained is None or max_model_len <= trained:
         return
-    what = (f"max_model_len {max_model_len} is longer than the {trained} positions this model was trained for "
+    what = (f"max_model_len {max_model_len} is longer than the {trained} positions {which} was trained for "
             "(config.json: max_position_embeddings, and the factor of linear RoPE scaling)")  # fmt: skip
     if os.environ.get(ALLOW_LONG_ENV) != "1":
         raise ValueError(f"{what}; outputs past {trained} positions would be unreliable. Lower max_model_len, or "
@@ -124,6 +125,23 @@ class InputProcessor:
         ids = ids[-k:]
         return self.tokenizer.decode(ids), ids
 
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Token sequences of each word as text starts with it and, when that tokenizes to other
+        tokens of the same count, after a space (so that the word is banned at the start of the text
+        and mid-text alike): vLLM's rule."""
+        seqs: list[list[int]] = []
+        for word in words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            seqs.append(bare)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                seqs.append(spaced)
+        vocab = self.model_config.vocab_size
+        bad = sorted({t for seq in seqs for t in seq if not 0 <= t < vocab})
+        if bad:
+            raise ValueError(f"bad_words must tokenize to ids in [0, {vocab}); got {bad[:5]}")
+        return seqs
+
     def prepare_request(
         self,
         request_id: str,
@@ -141,6 +159,8 @@ class InputProcessor:
         self._validate(ids, params)
         params = params.clone()
         params._eos_token_ids = self.eos_token_ids
+        if params.bad_words:
+            params._bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         if output_kind is not None:
             params.output_kind = output_kind
         max_tokens = self.max_model_len - len(ids)
@@ -173,10 +193,16 @@ class InputProcessor:
         for t in list(params.logit_bias or {}) + params.stop_token_ids:
             if t >= vocab:
                 raise ValueError(f"Token id {t} in logit_bias/stop_token_ids is outside [0, {vocab})")
-        if params.allowed_token_ids and params.allowed_token_ids[-1] >= vocab:  # sorted
-            raise ValueError(
-                f"allowed_token_ids must hold token ids in [0, {vocab}); got {params.allowed_token_ids[-1]}"
-            )
+        allowed = params.allowed_token_ids
+        if allowed and allowed[-1] >= vocab:  # sorted
+            raise ValueError(f"allowed_token_ids must hold token ids in [0, {vocab}); got {allowed[-1]}")
+        if allowed and params.min_tokens > 0:
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if stops.issuperset(allowed):  # min_tokens would mask every allowed token
+                raise ValueError(
+                    "allowed_token_ids must hold a token that is not a stop token when min_tokens > 0 (until "
+                    f"min_tokens, EOS and stop_token_ids are masked); got only stop tokens {allowed[:5]}"
+                )
 
 
 def _int_list(ids) -> list[int]:

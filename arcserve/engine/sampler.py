@@ -5,9 +5,9 @@ the requests packs their parameters into a few numpy arrays, which reach the dev
 asynchronous copy each (the host never waits for the device here, so overlapped steps stay
 overlapped). No token-level Python loop, no per-request device op.
 
-Order of processing, as in vLLM: logprobs are taken from the raw logits; then allowed_token_ids (every
-other token masked), logit_bias, min_tokens
-(stop tokens masked), repetition/frequency/presence penalties; greedy rows take the argmax; the other
+Order of processing: logprobs are taken from the raw logits; then allowed_token_ids (every other
+token masked), logit_bias, min_tokens (stop tokens masked), repetition/frequency/presence penalties,
+bad_words (masked where the output ends with a bad word's other tokens); greedy rows take the argmax; the other
 rows apply temperature, top-k, top-p and min-p and sample by inverse CDF: one uniform number per row
 located in the row's cumulative distribution (kernels' sample_from_cdf: one Triton launch on GPUs).
 The logits come in the model's dtype; float32 copies are made only where needed (logprobs, edits,
@@ -117,6 +117,28 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request], rows: list[int], 
     logits[rows_d] = sub
 
 
+def _allowed_array(req: Request) -> np.ndarray:
+    """The request's allowed_token_ids as an int64 array, made once and kept on the request."""
+    if req.allowed_ids is None:
+        req.allowed_ids = np.asarray(req.params.allowed_token_ids, dtype=np.int64)
+    return req.allowed_ids
+
+
+def banned_by_bad_words(req: Request, offset: int, V: int) -> list[int]:
+    """The ids a bad-words request may not sample now: each bad sequence's last token where the
+    output so far (with the first `offset` drafts of a speculating row) ends with the sequence's
+    other tokens; one-token sequences always."""
+    out = req.output_token_ids
+    if offset:
+        out = out + req.spec_token_ids[:offset]
+    banned = []
+    for seq in req.params._bad_words_token_ids:
+        k = len(seq) - 1
+        if seq[-1] < V and (k == 0 or (len(out) >= k and out[-k:] == seq[:-1])):
+            banned.append(seq[-1])
+    return banned
+
+
 def apply_top_k_top_p_min_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None
 ) -> torch.Tensor:
@@ -143,7 +165,7 @@ def apply_top_k_top_p_min_p(
 # Columns of the per-row float parameters, copied to the device as one array.
 _TEMP, _INV_T, _TOP_P, _MIN_P, _TOP_K, _U = range(6)
 # What a row needs beyond plain sampling, as bits of its flags.
-_LOGPROBS, _BIAS, _MIN_TOKENS, _PENALTIES, _GREEDY, _SEEDED, _ALLOWED = (1 << i for i in range(7))
+_LOGPROBS, _BIAS, _MIN_TOKENS, _PENALTIES, _GREEDY, _SEEDED, _ALLOWED, _BAD_WORDS = (1 << i for i in range(8))
 
 
 def _static_row(req: Request, V: int) -> tuple[int, np.ndarray]:
@@ -158,7 +180,7 @@ def _static_row(req: Request, V: int) -> tuple[int, np.ndarray]:
         (_LOGPROBS if p.logprobs is not None else 0) | (_BIAS if p.logit_bias else 0)
         | (_MIN_TOKENS if p.min_tokens > 0 else 0) | (_PENALTIES if p.needs_penalties else 0)
         | (_GREEDY if p.greedy else 0) | (_SEEDED if req.seed is not None else 0)
-        | (_ALLOWED if p.allowed_token_ids else 0)
+        | (_ALLOWED if p.allowed_token_ids else 0) | (_BAD_WORDS if p._bad_words_token_ids else 0)
     )  # fmt: skip
     return flags, row
 
@@ -200,10 +222,13 @@ class Sampler:
             if num_sampled(reqs[i]) + (offsets[i] if offsets is not None else 0) < reqs[i].params.min_tokens
         ]  # fmt: skip
         pen_rows = rows_with(_PENALTIES)
-        if allowed_rows or bias_rows or mask_rows or pen_rows:  # edited in place: a float32 copy
+        bad_rows = rows_with(_BAD_WORDS)
+        if allowed_rows or bias_rows or mask_rows or pen_rows or bad_rows:  # edited in place: a float32 copy
             logits = logits.to(torch.float32, copy=True)
-        if allowed_rows:  # -inf everywhere in those rows but at their allowed ids
-            rows, ids = _flat(allowed_rows, [[t for t in reqs[i].params.allowed_token_ids if t < V] for i in allowed_rows])
+        if allowed_rows:  # -inf everywhere in those rows but at their allowed ids (validated < vocab)
+            lists = [reqs[i].params.allowed_token_ids for i in allowed_rows]
+            rows = np.repeat(np.asarray(allowed_rows, dtype=np.int64), [len(x) for x in lists])
+            ids = np.concatenate([_allowed_array(reqs[i]) for i in allowed_rows])
             ids_d = to_device(np.stack([rows, ids]), dev)
             kept = logits[ids_d[0], ids_d[1]]
             logits[to_device(np.asarray(allowed_rows, dtype=np.int64), dev)] = float("-inf")
@@ -221,6 +246,12 @@ class Sampler:
                 logits[ids_d[0], ids_d[1]] = float("-inf")
         if pen_rows:
             apply_penalties(logits, reqs, pen_rows, offsets)
+        if bad_rows:
+            banned = [banned_by_bad_words(reqs[i], offsets[i] if offsets is not None else 0, V) for i in bad_rows]
+            rows, ids = _flat(bad_rows, banned)
+            if len(ids):
+                ids_d = to_device(np.stack([rows, ids]), dev)
+                logits[ids_d[0], ids_d[1]] = float("-inf")
 
         greedy = (flags & _GREEDY) != 0
         if greedy.all():
@@ -240,7 +271,10 @@ class Sampler:
             else:
                 tokens = sampled
 
-        out = SamplerOutput(tokens=tokens, logprob_rows=lp_rows, penalized=bool(pen_rows))
+        # Penalties and bad words of several tokens read the output so far on the host: the next step
+        # must wait for this one's tokens (penalized).
+        history = bool(pen_rows) or any(len(t) > 1 for i in bad_rows for t in reqs[i].params._bad_words_token_ids)
+        out = SamplerOutput(tokens=tokens, logprob_rows=lp_rows, penalized=history)
         if lp_rows:
             if len(lp_rows) == B:
                 lp, toks = raw_logprobs, tokens

@@ -43,6 +43,7 @@ class ModelConfig:
     config_dtype: torch.dtype
     eos_token_ids: list[int]
     bos_token_id: int | None
+    positions_known: bool = True  # config.json states max_position_embeddings
 
     @classmethod
     def from_dir(cls, model_dir: str) -> ModelConfig:
@@ -87,6 +88,7 @@ class ModelConfig:
             rope_theta=float(c.get("rope_theta") or rope.get("rope_theta") or 10000.0),
             rope_scaling=scaling,
             max_position_embeddings=c.get("max_position_embeddings", 2048),
+            positions_known="max_position_embeddings" in c,
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             qkv_bias=bias if family.qkv_bias is None else family.qkv_bias,
             o_bias=bias if family.o_bias is None else family.o_bias,
@@ -107,9 +109,12 @@ class ModelConfig:
         return _DTYPES[dtype]
 
     @property
-    def trained_positions(self) -> int:
+    def trained_positions(self) -> int | None:
         """The longest context the checkpoint was made for, as vLLM derives it: max_position_embeddings,
-        times the factor of linear RoPE scaling (Llama 3's scaling is in max_position_embeddings already)."""
+        times the factor of linear RoPE scaling (Llama 3's scaling is in max_position_embeddings already);
+        None when config.json does not say (its 2,048 default is then only max_model_len's default)."""
+        if not self.positions_known:
+            return None
         s = self.rope_scaling
         if s and s["rope_type"] == "linear":
             return int(self.max_position_embeddings * s["factor"])

@@ -89,8 +89,9 @@ SEMANTICS = {
     "suffix": {"type": "null"},
     # refused whatever their value (structured output, tool calls): null lets valid cases through
     **dict.fromkeys(["response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "structured_outputs", "tools", "functions", "tool_choice", "function_call", "bad_words",
+                     "structured_outputs", "tools", "functions", "tool_choice", "function_call",
                      "logits_processors"], {"type": "null"}),
+    "bad_words": {"type": "array", "items": _TEXT, "maxItems": 4},
     "truncate_prompt_tokens": {"anyOf": [{"type": "integer", "minimum": 1}, {"const": -1}]},
     "use_beam_search": {"const": False},
     "return_tokens_as_token_ids": {"const": False},
@@ -332,6 +333,7 @@ SURROGATES = [  # (path, body, param) -- regression: prompts and /tokenize answe
     ("/v1/completions", {"prompt": ["ok", "a\udfffb"]}, "prompt"),
     ("/v1/completions", {"prompt": "x", "stop": "\ud800"}, "stop"),
     ("/v1/completions", {"prompt": "x", "stop": ["ok", "\ud800"]}, "stop"),
+    ("/v1/completions", {"prompt": "x", "bad_words": ["ok", "\ud800"]}, "bad_words"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
     (
         "/v1/chat/completions",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -167,11 +168,13 @@ def test_allowed_token_ids_only_those_are_sampled():
     # Per row: mixed with unrestricted, biased, top-k and seeded rows in one batch; logprobs stay raw.
     logits = row.expand(4, -1).clone()
     reqs = [make_req(SamplingParams(temperature=0)),
-            make_req(SamplingParams(temperature=0, allowed_token_ids=allowed, logit_bias={3: 50.0}, logprobs=2)),
+            make_req(SamplingParams(temperature=0, allowed_token_ids=allowed, logprobs=2,
+                                    logit_bias={int(row.argmax()): 50.0, 17: 30.0})),
             make_req(SamplingParams(temperature=1.0, top_k=2, allowed_token_ids=[5, 6, 7]), seed=4),
             make_req(SamplingParams(temperature=0, allowed_token_ids=[9]))]  # fmt: skip
     out = Sampler(CPU, 0)(logits, reqs)
-    assert out.tokens.tolist()[0] == row.argmax().item() and out.tokens.tolist()[1] == 3 and out.tokens.tolist()[3] == 9
+    # row 1: the biased disallowed argmax stays out; the biased allowed 17 wins
+    assert out.tokens.tolist()[0] == row.argmax().item() and out.tokens.tolist()[1] == 17 and out.tokens.tolist()[3] == 9
     two = sorted((5, 6, 7), key=lambda t: -row[t].item())[:2]
     assert out.tokens.tolist()[2] in two
     assert out.topk_ids[0].tolist() == row.topk(2).indices.tolist()  # the raw logits' top 2, not the allowed ids'
@@ -189,6 +192,62 @@ def test_allowed_token_ids_end_to_end(llama_dir):
     assert set(out.outputs[0].token_ids) <= set(allowed) and len(out.outputs[0].token_ids) == 24
     with pytest.raises(ValueError, match=r"allowed_token_ids must hold token ids in \[0, 320\)"):
         llm.generate([prompt(5, 7)], SamplingParams(allowed_token_ids=[3, 320]), use_tqdm=False)
+    # only stop tokens allowed while min_tokens masks them: refused, not sampled from an empty row
+    eos = min(llm.llm_engine.eos_token_ids)
+    with pytest.raises(ValueError, match="allowed_token_ids must hold a token that is not a stop token"):
+        llm.generate([prompt(5, 7)], SamplingParams(allowed_token_ids=[eos, 7], min_tokens=2, stop_token_ids=[7]),
+                     use_tqdm=False)  # fmt: skip
+    ok = SamplingParams(temperature=0, allowed_token_ids=[eos, 7], min_tokens=2, max_tokens=4)
+    assert llm.generate([prompt(5, 7)], ok, use_tqdm=False)[0].outputs[0].token_ids[:2] == [7, 7]
+
+
+def bad_words_req(seqs, output=(), temperature=0.0, spec=()):
+    req = make_req(SamplingParams(temperature=temperature, bad_words=["x"]), output=output)
+    req.params._bad_words_token_ids = [list(t) for t in seqs]  # as the engine tokenizes them
+    req.spec_token_ids = list(spec)
+    return req
+
+
+def test_bad_words_ban_the_last_token_after_the_rest():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]])  # greedy: 5, then 4, then 3
+    pick = lambda req, offsets=None: Sampler(CPU, 0)(logits.clone(), [req], offsets).tokens.item()  # noqa: E731
+    assert pick(bad_words_req([[5]])) == 4  # one-token words: always banned
+    assert pick(bad_words_req([[1, 5]], output=[2])) == 5  # the output does not end with 1
+    assert pick(bad_words_req([[1, 5]], output=[2, 1])) == 4
+    assert pick(bad_words_req([[3, 1, 5], [4]], output=[3, 1])) == 3
+    assert pick(bad_words_req([[3, 1, 5]], output=[1])) == 5  # too short a history: no match
+    assert pick(bad_words_req([[0, 5]], output=[2], spec=[0, 4]), offsets=np.array([1])) == 4  # drafts count
+    assert pick(bad_words_req([[0, 5]], output=[2], spec=[0, 4]), offsets=np.array([0])) == 5
+    reqs = [bad_words_req([[2]], temperature=1.0) for _ in range(500)]
+    out = Sampler(CPU, 1)(torch.zeros(500, 6), reqs)
+    assert 2 not in out.tokens.tolist() and len(set(out.tokens.tolist())) == 5
+    assert out.penalized is False  # one-token words need no history
+    assert Sampler(CPU, 1)(logits.clone(), [bad_words_req([[1, 5]])]).penalized is True
+
+
+def test_bad_words_end_to_end(llama_dir):
+    """No bad word's token sequence appears in the output (greedy, overlapped steps or not); the
+    words are tokenized alone and after a space."""
+    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=64)
+    tok = llm.get_tokenizer()
+    p = prompt(11, 8)
+    free = llm.generate([p], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+    toks = free.outputs[0].token_ids
+    words = [tok.decode(toks[3:5]).strip(), tok.decode(toks[8:9]).strip()]
+    words = [w for w in words if w]
+    assert words
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, bad_words=words)
+    out = llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids
+    seqs = llm.llm_engine.bad_words_token_ids(words)
+    assert out != toks
+    for seq in seqs:
+        assert not any(out[i : i + len(seq)] == seq for i in range(len(out) - len(seq) + 1)), (seq, out)
+    # Overlapped steps (the next step scheduled before this one's tokens are read): the same tokens,
+    # since a multi-token bad word makes the engine read each step's tokens first.
+    overlapped = LLM(str(llama_dir), dtype="float32", num_kv_blocks=64, async_scheduling=True)
+    assert overlapped.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids == out
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=["  "])
 
 
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
@@ -337,8 +396,6 @@ def test_seeded_request_same_tokens_alone_and_in_any_batch():
 
 
 def test_seeded_numbers_are_uniform_and_keyed_by_seed_and_position():
-    import numpy as np
-
     from arcserve.engine.sampler import seeded_uniform
 
     pos = np.arange(200_000)

@@ -76,6 +76,32 @@ def test_draft_with_another_vocabulary_is_refused(tmp_path, llama_dir):
         LLM(str(llama_dir), speculative_config={"model": str(same_size), "num_speculative_tokens": 2})
 
 
+def test_draft_positions_checked_like_the_target(tmp_path, llama_dir, monkeypatch):
+    """A draft trained for fewer positions than max_model_len is refused as the target would be (its
+    linear RoPE factor counts), and let through by ARCSERVE_ALLOW_LONG_MAX_MODEL_LEN=1."""
+    import json
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(llama_dir, target)
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["max_position_embeddings"] = 1024
+    (target / "config.json").write_text(json.dumps(cfg))
+    spec = {"model": str(llama_dir), "num_speculative_tokens": 2}  # 512 positions
+    with pytest.raises(ValueError, match="longer than the 512 positions the draft model"):
+        LLM(str(target), max_model_len=1024, num_kv_blocks=128, speculative_config=spec)
+    scaled = tmp_path / "scaled_draft"
+    shutil.copytree(llama_dir, scaled)
+    cfg = json.loads((scaled / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    (scaled / "config.json").write_text(json.dumps(cfg))
+    LLM(str(target), max_model_len=1024, num_kv_blocks=128, speculative_config={**spec, "model": str(scaled)})
+    monkeypatch.setenv("ARCSERVE_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    llm = LLM(str(target), max_model_len=1024, num_kv_blocks=128, speculative_config=spec)
+    out = llm.generate([[5] * 600], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 # ---- prompt lookup ------------------------------------------------------------------------------
 
 
