@@ -44,6 +44,7 @@ def _valid_unicode(value, name: str):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: with include_usage, usage so far in every chunk too
 
 
 class ResponseFormat(BaseModel):

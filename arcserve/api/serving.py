@@ -183,9 +183,8 @@ class Serving:
         echo = [self._prompt_text(p) if body.echo else "" for p in prompts]
         rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.n
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                self._stream_completions(streams, rid, created, n, echo, plens, include_usage, body.logprobs or 0),
+                self._stream_completions(streams, rid, created, n, echo, plens, _usage_mode(body), body.logprobs or 0),
                 media_type="text/event-stream",
             )
         outs = await self._finals(streams, raw)
@@ -235,7 +234,8 @@ class Serving:
     def _prompt_text(self, p: dict) -> str:
         return p["prompt"] if p["prompt"] is not None else self.tokenizer.decode(p["prompt_token_ids"])
 
-    async def _stream_completions(self, streams, rid, created, n, echo, plens, include_usage, k):
+    async def _stream_completions(self, streams, rid, created, n, echo, plens, usage_mode, k):
+        """usage_mode: None, "final" (a last chunk with the usage) or "every" (also in every chunk)."""
         completion = 0
         sent_echo: set[int] = set()
         sent_lp: set[int] = set()
@@ -262,8 +262,9 @@ class Serving:
                         "id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                         "choices": [{"index": idx, "text": text, "logprobs": lp, "finish_reason": o.finish_reason,
                                      "stop_reason": o.stop_reason}],
+                        **({"usage": self._usage(plens, completion)} if usage_mode == "every" else {}),
                     })  # fmt: skip
-            if include_usage:
+            if usage_mode:
                 yield self._sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                                  "choices": [], "usage": self._usage(plens, completion)})  # fmt: skip
         except Exception as e:  # after the headers went out, errors travel in the stream
@@ -300,8 +301,7 @@ class Serving:
         streams = self._start([prompt], lambda _p: params, raw, body.priority, body.stream)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream_chat(streams, rid, created, body.n, len(ids), include_usage, k),
+            return StreamingResponse(self._stream_chat(streams, rid, created, body.n, len(ids), _usage_mode(body), k),
                                      media_type="text/event-stream")  # fmt: skip
         (out,) = await self._finals(streams, raw)
         choices = [{
@@ -312,8 +312,10 @@ class Serving:
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                              "choices": choices, "usage": self._usage([len(ids)], completion)})  # fmt: skip
 
-    async def _stream_chat(self, streams, rid, created, n, plen, include_usage, k):
+    async def _stream_chat(self, streams, rid, created, n, plen, usage_mode, k):
         def chunk(choices, **extra):
+            if usage_mode == "every" and "usage" not in extra:
+                extra["usage"] = self._usage([plen], completion)
             return self._sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                               "model": self.model_name, "choices": choices, **extra})  # fmt: skip
 
@@ -329,11 +331,20 @@ class Serving:
                     yield chunk([{"index": o.index, "delta": {"content": o.text} if o.text else {},
                                   "logprobs": self._chat_logprobs(o, k), "finish_reason": o.finish_reason,
                                   "stop_reason": o.stop_reason}])  # fmt: skip
-            if include_usage:
+            if usage_mode:
                 yield chunk([], usage=self._usage([plen], completion))
         except Exception as e:
             yield self._sse(stream_error(e))
         yield "data: [DONE]\n\n"
+
+
+def _usage_mode(body) -> str | None:
+    """What a stream reports of usage: None, "final" (include_usage: one last chunk) or "every" (and
+    continuous_usage_stats: the usage so far in every chunk too, as vLLM does)."""
+    so = body.stream_options
+    if not (so and so.include_usage):
+        return None
+    return "every" if so.continuous_usage_stats else "final"
 
 
 def _cancel(tasks: list[asyncio.Future], streams: list[RequestStream]) -> None:

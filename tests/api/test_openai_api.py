@@ -197,6 +197,27 @@ def test_truncate_prompt_tokens(client, hf):
     assert e.value.code == "context_length_exceeded"
 
 
+@pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
+def test_continuous_usage_stats(server, path):
+    """stream_options.continuous_usage_stats (with include_usage): every chunk carries the usage so
+    far, the completion count never falls and ends at the final usage chunk's; without it, only
+    the final chunk has usage."""
+    body = {"model": MODEL, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "stream": True, "n": 2,
+            **({"prompt": PROMPTS[0]} if path == "/completions" else {"messages": MESSAGES})}  # fmt: skip
+    for continuous in (True, False):
+        opts = {"include_usage": True, "continuous_usage_stats": continuous}
+        with httpx.stream("POST", f"{server.v1}{path}", json={**body, "stream_options": opts}, timeout=30) as r:
+            events = sse_data(r)
+        final = events[-1]
+        assert final["choices"] == [] and final["usage"]["completion_tokens"] == 20
+        if not continuous:
+            assert all("usage" not in e for e in events[:-1])
+            continue
+        counts = [e["usage"]["completion_tokens"] for e in events]
+        assert all(e["usage"]["prompt_tokens"] == final["usage"]["prompt_tokens"] for e in events)
+        assert counts == sorted(counts) and counts[-2] == 20 and len(events) > 3
+
+
 def test_chat_continue_final_message(client, hf):
     """continue_final_message (with add_generation_prompt false) continues the last assistant message:
     the prompt is the conversation with that message left open (transformers' rendering)."""
