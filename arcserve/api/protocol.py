@@ -75,6 +75,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[StrictInt] | None = None
     allowed_token_ids: list[StrictInt] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # not with stream (as in vLLM)
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -96,6 +97,8 @@ class _Sampling(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(parameter, message) of the first field set to something arcserve cannot honour, if any."""
+        if self.prompt_logprobs is not None and self.stream:
+            return "prompt_logprobs", "prompt_logprobs are not available with stream=true (as in vLLM)"
         for name in ("use_beam_search", "logits_processors", "return_tokens_as_token_ids"):
             v = getattr(self, name)
             if v is not None and v is not False and v != []:

@@ -173,9 +173,9 @@ class Serving:
 
         def params_for(p):
             mt = self._max_tokens(body.max_tokens, len(p["prompt_token_ids"]))
-            try:
-                prompt_lp = body.logprobs if body.echo else None
-                return body.to_sampling_params(defaults, mt, body.logprobs, prompt_lp)
+            try:  # echo with logprobs and prompt_logprobs both need the prompt's logprobs
+                wanted = [x for x in (body.logprobs if body.echo else None, body.prompt_logprobs) if x is not None]
+                return body.to_sampling_params(defaults, mt, body.logprobs, max(wanted, default=None))
             except ValueError as e:
                 raise bad_request(e) from e
 
@@ -197,6 +197,8 @@ class Serving:
                     "logprobs": self._echo_logprobs(out, o, body) if body.echo
                     else self._completion_logprobs(o, 0, body.logprobs or 0),
                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+                    **({"prompt_logprobs": _prompt_logprobs(out, body.prompt_logprobs)}
+                       if body.prompt_logprobs is not None else {}),
                 })  # fmt: skip
         choices.sort(key=lambda c: c["index"])
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
@@ -295,7 +297,8 @@ class Serving:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         mt = self._max_tokens(body.max_completion_tokens or body.max_tokens, len(ids))
         try:
-            params = body.to_sampling_params(self.llm.generation_defaults.sampling, mt, k if body.logprobs else None)
+            params = body.to_sampling_params(self.llm.generation_defaults.sampling, mt, k if body.logprobs else None,
+                                             body.prompt_logprobs)  # fmt: skip
         except ValueError as e:
             raise bad_request(e) from e
         streams = self._start([prompt], lambda _p: params, raw, body.priority, body.stream)
@@ -309,8 +312,9 @@ class Serving:
             "logprobs": self._chat_logprobs(o, k), "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
         } for o in out.outputs]  # fmt: skip
         completion = sum(len(o.token_ids) for o in out.outputs)
+        extra = {"prompt_logprobs": _prompt_logprobs(out, body.prompt_logprobs)} if body.prompt_logprobs is not None else {}
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-                             "choices": choices, "usage": self._usage([len(ids)], completion)})  # fmt: skip
+                             "choices": choices, "usage": self._usage([len(ids)], completion), **extra})  # fmt: skip
 
     async def _stream_chat(self, streams, rid, created, n, plen, usage_mode, k):
         def chunk(choices, **extra):
@@ -336,6 +340,20 @@ class Serving:
         except Exception as e:
             yield self._sse(stream_error(e))
         yield "data: [DONE]\n\n"
+
+
+def _prompt_logprobs(out: RequestOutput, k: int) -> list:
+    """vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: {logprob, rank,
+    decoded_token}} for the prompt's own token and the k most likely."""
+    result = []
+    for tid, entries in zip(out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids)):
+        if entries is None:
+            result.append(None)
+            continue
+        keep = {tid: entries[tid], **{t: e for t, e in entries.items() if e.rank <= k}}
+        result.append({str(t): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.decoded_token}
+                       for t, e in keep.items()})  # fmt: skip
+    return result
 
 
 def _usage_mode(body) -> str | None:

@@ -65,6 +65,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": USER, "tool_choice": "required"}, "tool_choice", "required"),
     ("/v1/chat/completions", {"messages": USER, "functions": [{"name": "f"}]}, "functions", "tool calling"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search", "not supported"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs", ""),
+    ("/v1/chat/completions", {"messages": USER, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "stream"),
     ("/v1/completions", {"prompt": "x", "bad_words": [" "]}, "bad_words", "blank"),
     ("/v1/completions", {"prompt": "x", "bad_words": ["a"] * 17}, "bad_words", "at most 16"),
     ("/v1/chat/completions", {"messages": USER, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ">= 1"),

@@ -360,6 +360,34 @@ def test_stop_token_ids(client, hf):
 
 
 # ---- logprobs ---------------------------------------------------------------------------------
+def test_prompt_logprobs_equal_transformers(server, hf):
+    """vLLM's prompt_logprobs extra: per prompt token (None for the first) the token's own logprob and
+    rank plus the k most likely, equal to transformers'; with echo + logprobs of another k both hold;
+    chat puts them at the top level; with stream it is a 400, as in vLLM."""
+    ids = hf.tok.encode(PROMPTS[2])
+    ref = hf.logprobs(ids[:1], ids[1:])  # the logits at positions 0..n-2 predict tokens 1..n-1
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+    for extra in ({}, {"echo": True, "logprobs": 4}):
+        choice = server.post("/v1/completions", json={**body, **extra}).json()["choices"][0]
+        plp = choice["prompt_logprobs"]
+        assert len(plp) == len(ids) and plp[0] is None
+        for i, entry in enumerate(plp[1:]):
+            tid, row = ids[i + 1], ref[i]
+            top2 = row.topk(2).indices.tolist()
+            assert set(map(int, entry)) == {tid, *top2}
+            assert abs(entry[str(tid)]["logprob"] - row[tid].item()) < 1e-4
+            assert entry[str(tid)]["rank"] == int((row > row[tid]).sum()) + 1
+            assert entry[str(top2[0])]["rank"] == 1 and entry[str(tid)]["decoded_token"] == hf.tok.decode([tid])
+        if extra:
+            assert len(choice["logprobs"]["tokens"]) == len(ids) + 2  # echo: prompt and output tokens
+    chat = server.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2,
+                                                     "prompt_logprobs": 0}).json()  # fmt: skip
+    chat_ids = hf.chat_ids(MESSAGES)
+    assert len(chat["prompt_logprobs"]) == len(chat_ids) and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    r = server.post("/v1/completions", json={**body, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_completion_logprobs_equal_transformers(client, hf):
     prompt, k, n = PROMPTS[2], 3, 12
     ids = hf.tok.encode(prompt)
