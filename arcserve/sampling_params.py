@@ -41,8 +41,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-k logprobs of every prompt token (after the first)
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's name)
-    # Keep only the prompt's last k tokens (left truncation); -1: as many as leave room for one
-    # generated token (max_model_len - 1). None: no truncation (a too-long prompt is an error).
+    # Keep only the prompt's last k tokens (left truncation; a text prompt's BOS stays in front);
+    # -1: as many as leave room for max_tokens (or one token). None: no truncation (a too-long
+    # prompt is an error).
     truncate_prompt_tokens: int | None = None
     # Words never to generate (vLLM's semantics): each word, and its form after a space, as token
     # sequences; a sequence's last token is banned wherever the output so far ends with the rest.

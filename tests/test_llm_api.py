@@ -113,6 +113,8 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     assert out.outputs[0].token_ids == plain.outputs[0].token_ids
     most = llm.generate({"prompt_token_ids": ids}, greedy(1, truncate_prompt_tokens=-1), use_tqdm=False)[0]
     assert most.prompt_token_ids == ids[-255:]  # max_model_len - 1: room for one generated token
+    room = llm.generate({"prompt_token_ids": ids}, greedy(6, truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert room.prompt_token_ids == ids[-250:] and len(room.outputs[0].token_ids) == 6  # room for max_tokens
     short = llm.generate({"prompt_token_ids": ids[:10]}, greedy(2, truncate_prompt_tokens=40), use_tqdm=False)[0]
     assert short.prompt_token_ids == ids[:10]
     text = llm.generate("The quick brown fox jumps", greedy(2, truncate_prompt_tokens=2), use_tqdm=False)[0]
@@ -121,6 +123,27 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
         SamplingParams(truncate_prompt_tokens=0)
     with pytest.raises(ValueError, match="300 tokens but max_model_len is 256"):
         llm.generate({"prompt_token_ids": ids}, greedy(2), use_tqdm=False)
+
+
+def test_truncation_keeps_the_tokenizers_bos_in_front():
+    """A text prompt tokenized with a BOS keeps it when cut (the tokenizer's own left truncation
+    keeps its special tokens, as vLLM does); token-id prompts are cut as given."""
+    from arcserve.engine.inputs import InputProcessor
+
+    class Tok:  # words -> ids 10, 11, ...; BOS = 1 in front when special tokens are added
+        def encode(self, text, add_special_tokens=True):
+            return ([1] if add_special_tokens else []) + [10 + i for i, _ in enumerate(text.split())]
+
+        def decode(self, ids):
+            return " ".join(f"w{t}" for t in ids)
+
+    stub = type("Stub", (), {"tokenizer": Tok(), "max_model_len": 100})()
+    text = "a b c d e f"
+    ids = Tok().encode(text)
+    cut = InputProcessor.truncate_prompt(stub, text, ids, 3, None, True)
+    assert cut == ("w14 w15", [1, 14, 15])
+    assert InputProcessor.truncate_prompt(stub, text, ids, 3, None, False) == ("w13 w14 w15", [13, 14, 15])
+    assert InputProcessor.truncate_prompt(stub, text, ids, 10, None, True) == (text, ids)
 
 
 def test_chat_continue_final_message(llm):

@@ -93,7 +93,7 @@ class _Sampling(BaseModel):
     use_beam_search: bool | None = None
     logits_processors: list[Any] | None = None
     return_tokens_as_token_ids: bool | None = None
-    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: as many as fit
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: room for max_tokens
 
     def unsupported(self) -> tuple[str, str] | None:
         """(parameter, message) of the first field set to something arcserve cannot honour, if any."""

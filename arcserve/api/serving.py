@@ -39,12 +39,12 @@ class Serving:
         self._token_str = TokenTexts(self.tokenizer)  # text of one token id, decoded once per id
 
     # ---- shared --------------------------------------------------------------------------------
-    def _tokenize(self, prompts: list, truncate: int | None = None) -> list[dict]:
+    def _tokenize(self, prompts: list, truncate: int | None = None, max_tokens: int | None = None) -> list[dict]:
         """Token ids (and text) of each prompt, cut to its last `truncate` tokens when asked
         (truncate_prompt_tokens: before the length checks, as the engine would)."""
         out = []
         for p in prompts:
-            text, ids = self.llm.truncate_prompt(*self.llm.tokenize_prompt(p), truncate)
+            text, ids = self.llm.truncate_prompt(*self.llm.tokenize_prompt(p), truncate, max_tokens, isinstance(p, str))
             out.append({"prompt_token_ids": ids, "prompt": text})
         return out
 
@@ -165,7 +165,7 @@ class Serving:
         try:  # tokenize once; the engine gets token ids
             todo = body.prompts()
             prompts = await off_loop(sum(len(p) for p in todo if isinstance(p, str)), self._tokenize, todo,
-                                     body.truncate_prompt_tokens)  # fmt: skip
+                                     body.truncate_prompt_tokens, body.max_tokens)  # fmt: skip
         except ValueError as e:
             raise bad_request(e) from e
         plens = [len(p["prompt_token_ids"]) for p in prompts]
@@ -239,6 +239,7 @@ class Serving:
     async def _stream_completions(self, streams, rid, created, n, echo, plens, usage_mode, k):
         """usage_mode: None, "final" (a last chunk with the usage) or "every" (also in every chunk)."""
         completion = 0
+        per_choice: dict[int, int] = {}
         sent_echo: set[int] = set()
         sent_lp: set[int] = set()
         offsets: dict[int, int] = {}
@@ -251,6 +252,7 @@ class Serving:
                         sent_echo.add(idx)
                         text = echo[i] + text
                     completion += len(o.token_ids)
+                    per_choice[idx] = per_choice.get(idx, 0) + len(o.token_ids)
                     # Offsets follow the tokens' own text (the streamed text is held back while a
                     # character or a possible stop string is incomplete).
                     start = offsets.get(idx, len(echo[i]))
@@ -264,7 +266,8 @@ class Serving:
                         "id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                         "choices": [{"index": idx, "text": text, "logprobs": lp, "finish_reason": o.finish_reason,
                                      "stop_reason": o.stop_reason}],
-                        **({"usage": self._usage(plens, completion)} if usage_mode == "every" else {}),
+                        # (every chunk: its own choice's usage so far, as vLLM reports it)
+                        **({"usage": self._usage([plens[i]], per_choice[idx])} if usage_mode == "every" else {}),
                     })  # fmt: skip
             if usage_mode:
                 yield self._sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
@@ -290,7 +293,7 @@ class Serving:
     async def chat(self, body: ChatCompletionRequest, raw: Request, chat_template: str | None):
         self._refuse_unsupported(body)
         text, ids = self.llm.truncate_prompt(*await self.render_chat(body, chat_template, body.chat_template_kwargs),
-                                             body.truncate_prompt_tokens)  # fmt: skip
+                                             body.truncate_prompt_tokens, body.max_completion_tokens or body.max_tokens)  # fmt: skip
         prompt = {"prompt_token_ids": ids, "prompt": text}
         k = body.top_logprobs or 0
         if body.top_logprobs is not None and not body.logprobs:
@@ -318,18 +321,20 @@ class Serving:
 
     async def _stream_chat(self, streams, rid, created, n, plen, usage_mode, k):
         def chunk(choices, **extra):
-            if usage_mode == "every" and "usage" not in extra:
-                extra["usage"] = self._usage([plen], completion)
+            if usage_mode == "every" and "usage" not in extra:  # the chunk's choice's usage so far (vLLM)
+                extra["usage"] = self._usage([plen], per_choice.get(choices[0]["index"], 0) if len(choices) == 1 else 0)
             return self._sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                               "model": self.model_name, "choices": choices, **extra})  # fmt: skip
 
         completion = 0
+        per_choice: dict[int, int] = {}
         try:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for i in range(n)])  # fmt: skip
             async for _i, out in self._merge(streams):
                 for o in out.outputs:
                     completion += len(o.token_ids)
+                    per_choice[o.index] = per_choice.get(o.index, 0) + len(o.token_ids)
                     if not o.text and o.finish_reason is None and o.logprobs is None:
                         continue  # a token that completes no character yet: nothing to send
                     yield chunk([{"index": o.index, "delta": {"content": o.text} if o.text else {},

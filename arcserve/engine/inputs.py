@@ -112,18 +112,27 @@ class InputProcessor:
             raise ValueError("the chat template did not render to text")
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
-    def truncate_prompt(self, text: str | None, ids: list[int], k: int | None) -> tuple[str | None, list[int]]:
-        """The prompt's last k tokens (SamplingParams.truncate_prompt_tokens; -1: max_model_len - 1),
-        with the text decoded from them when that cut anything; unchanged when k is None or the prompt
-        is short enough."""
+    def truncate_prompt(self, text: str | None, ids: list[int], k: int | None, max_tokens: int | None = None,
+                        from_text: bool = False) -> tuple[str | None, list[int]]:  # fmt: skip
+        """The prompt's last k tokens (SamplingParams.truncate_prompt_tokens; -1: as many as leave room
+        for max_tokens, or for one token), with the text decoded from them when that cut anything;
+        unchanged when k is None or the prompt is short enough. from_text: ids are `text` tokenized
+        with the tokenizer's special tokens, and the ones it put in front (a BOS) stay in front, as
+        the tokenizer's own left truncation keeps them (vLLM's behaviour)."""
         if k is None:
             return text, ids
         if k == -1:
-            k = self.max_model_len - 1
+            k = max(1, self.max_model_len - max(1, max_tokens or 1))
         if len(ids) <= k:
             return text, ids
-        ids = ids[-k:]
-        return self.tokenizer.decode(ids), ids
+        prefix: list[int] = []
+        if from_text and text is not None:
+            plain = self.tokenizer.encode(text, add_special_tokens=False)
+            n = len(ids) - len(plain)
+            if 0 < n < k and ids[n:] == plain:
+                prefix = ids[:n]
+        body = ids[len(prefix) :][-(k - len(prefix)) :]
+        return self.tokenizer.decode(body), prefix + body
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Token sequences of each word as text starts with it and, when that tokenizes to other
@@ -155,12 +164,14 @@ class InputProcessor:
         The request gets its own copy of params (with output_kind, when given). Raises ValueError
         naming what is wrong."""
         params = params or self.default_sampling_params()
-        text, ids = self.truncate_prompt(*self.tokenize_prompt(prompt), params.truncate_prompt_tokens)
-        self._validate(ids, params)
+        from_text = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
+        text, ids = self.truncate_prompt(*self.tokenize_prompt(prompt), params.truncate_prompt_tokens,
+                                         params.max_tokens, from_text)  # fmt: skip
         params = params.clone()
         params._eos_token_ids = self.eos_token_ids
         if params.bad_words:
             params._bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+        self._validate(ids, params)
         if output_kind is not None:
             params.output_kind = output_kind
         max_tokens = self.max_model_len - len(ids)
@@ -196,12 +207,14 @@ class InputProcessor:
         allowed = params.allowed_token_ids
         if allowed and allowed[-1] >= vocab:  # sorted
             raise ValueError(f"allowed_token_ids must hold token ids in [0, {vocab}); got {allowed[-1]}")
-        if allowed and params.min_tokens > 0:
-            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-            if stops.issuperset(allowed):  # min_tokens would mask every allowed token
+        if allowed:  # every allowed token masked would leave nothing to sample
+            banned = {seq[0] for seq in params._bad_words_token_ids if len(seq) == 1}
+            if params.min_tokens > 0:
+                banned |= set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if banned.issuperset(allowed):
                 raise ValueError(
-                    "allowed_token_ids must hold a token that is not a stop token when min_tokens > 0 (until "
-                    f"min_tokens, EOS and stop_token_ids are masked); got only stop tokens {allowed[:5]}"
+                    "allowed_token_ids must hold a token that neither bad_words nor (until min_tokens) EOS and "
+                    f"stop_token_ids mask; all of {allowed[:5]} are masked"
                 )
 
 

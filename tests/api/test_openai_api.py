@@ -183,6 +183,9 @@ def test_truncate_prompt_tokens(client, hf):
     usage, echo and the tokens are those of the cut prompt."""
     ids = [(7 * i) % 300 + 3 for i in range(300)]
     expected = hf.greedy(ids[-100:], 6)
+    room = client.completions.create(model=MODEL, prompt=ids, max_tokens=16, **GREEDY,
+                                     extra_body={**NO_EOS, "truncate_prompt_tokens": -1})  # fmt: skip
+    assert room.usage.prompt_tokens == 240 and room.usage.completion_tokens == 16  # room for max_tokens
     r = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, echo=True, **GREEDY,
                                   extra_body={**NO_EOS, "truncate_prompt_tokens": 100})  # fmt: skip
     assert r.usage.prompt_tokens == 100
@@ -213,9 +216,14 @@ def test_continuous_usage_stats(server, path):
         if not continuous:
             assert all("usage" not in e for e in events[:-1])
             continue
-        counts = [e["usage"]["completion_tokens"] for e in events]
-        assert all(e["usage"]["prompt_tokens"] == final["usage"]["prompt_tokens"] for e in events)
-        assert counts == sorted(counts) and counts[-2] == 20 and len(events) > 3
+        per_choice: dict = {}
+        for e in events[:-1]:  # each chunk: its choice's usage so far (vLLM's continuous usage)
+            assert e["usage"]["prompt_tokens"] == final["usage"]["prompt_tokens"]
+            if len(e["choices"]) == 1:
+                i = e["choices"][0]["index"]
+                assert e["usage"]["completion_tokens"] >= per_choice.get(i, 0)
+                per_choice[i] = e["usage"]["completion_tokens"]
+        assert per_choice == {0: 10, 1: 10}
 
 
 def test_chat_continue_final_message(client, hf):

@@ -194,11 +194,19 @@ def test_allowed_token_ids_end_to_end(llama_dir):
         llm.generate([prompt(5, 7)], SamplingParams(allowed_token_ids=[3, 320]), use_tqdm=False)
     # only stop tokens allowed while min_tokens masks them: refused, not sampled from an empty row
     eos = min(llm.llm_engine.eos_token_ids)
-    with pytest.raises(ValueError, match="allowed_token_ids must hold a token that is not a stop token"):
+    with pytest.raises(ValueError, match="allowed_token_ids must hold a token that neither bad_words nor"):
         llm.generate([prompt(5, 7)], SamplingParams(allowed_token_ids=[eos, 7], min_tokens=2, stop_token_ids=[7]),
                      use_tqdm=False)  # fmt: skip
     ok = SamplingParams(temperature=0, allowed_token_ids=[eos, 7], min_tokens=2, max_tokens=4)
     assert llm.generate([prompt(5, 7)], ok, use_tqdm=False)[0].outputs[0].token_ids[:2] == [7, 7]
+    # a one-token bad word masking the rest of them: refused too
+    word = next(w for w in ("the", "a", "x", "e") if len(llm.llm_engine.bad_words_token_ids([w])[0]) == 1)
+    wid = llm.llm_engine.bad_words_token_ids([word])[0][0]
+    with pytest.raises(ValueError, match="neither bad_words nor"):
+        llm.generate([prompt(5, 7)], SamplingParams(allowed_token_ids=[eos, wid], min_tokens=1, bad_words=[word]),
+                     use_tqdm=False)  # fmt: skip
+    with pytest.raises(ValueError, match="neither bad_words nor"):
+        llm.generate([prompt(5, 7)], SamplingParams(allowed_token_ids=[wid], bad_words=[word]), use_tqdm=False)
 
 
 def bad_words_req(seqs, output=(), temperature=0.0, spec=()):
@@ -233,9 +241,12 @@ def test_bad_words_end_to_end(llama_dir):
     p = prompt(11, 8)
     free = llm.generate([p], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
     toks = free.outputs[0].token_ids
-    words = [tok.decode(toks[3:5]).strip(), tok.decode(toks[8:9]).strip()]
-    words = [w for w in words if w]
-    assert words
+    # a word the free output holds as two or three tokens (whose tokenization gives back those
+    # tokens), so that its ban depends on the output so far, plus a one-token word
+    multi = next(w for n in (2, 3) for i in range(1, len(toks) - n) if (w := tok.decode(toks[i : i + n]).strip())
+                 and any(s == toks[i : i + n] for s in llm.llm_engine.bad_words_token_ids([w])))  # fmt: skip
+    assert max(len(s) for s in llm.llm_engine.bad_words_token_ids([multi])) > 1
+    words = [multi] + [w for w in [tok.decode(toks[8:9]).strip()] if w]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, bad_words=words)
     out = llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids
     seqs = llm.llm_engine.bad_words_token_ids(words)
