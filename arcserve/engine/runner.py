@@ -285,7 +285,7 @@ class ModelRunner:
         self._last_tokens = so.tokens
         self._last_rows = {r.request_id: i for i, r in enumerate(reqs)}
         handle.reqs = reqs
-        handle.needs_history = so.penalized
+        handle.needs_history = so.needs_history
         handle.tokens = to_host_async(so.tokens)
         if so.logprob_rows:
             handle.logprob_rows = so.logprob_rows

@@ -47,7 +47,9 @@ class SamplerOutput:
     topk_logprobs: torch.Tensor | None = None  # [R, K]
     token_logprob: torch.Tensor | None = None  # [R]
     token_rank: torch.Tensor | None = None  # [R]
-    penalized: bool = False  # some row applied penalties (they read the whole history on the host)
+    # Some row read its output so far on the host (penalties, bad words of several tokens): the
+    # engine reads this step's tokens before it schedules the next.
+    needs_history: bool = False
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -165,7 +167,7 @@ def apply_top_k_top_p_min_p(
 # Columns of the per-row float parameters, copied to the device as one array.
 _TEMP, _INV_T, _TOP_P, _MIN_P, _TOP_K, _U = range(6)
 # What a row needs beyond plain sampling, as bits of its flags.
-_LOGPROBS, _BIAS, _MIN_TOKENS, _PENALTIES, _GREEDY, _SEEDED, _ALLOWED, _BAD_WORDS = (1 << i for i in range(8))
+_LOGPROBS, _BIAS, _MIN_TOKENS, _PENALTIES, _GREEDY, _SEEDED, _ALLOWED, _BAD_WORDS, _HISTORY = (1 << i for i in range(9))
 
 
 def _static_row(req: Request, V: int) -> tuple[int, np.ndarray]:
@@ -181,6 +183,7 @@ def _static_row(req: Request, V: int) -> tuple[int, np.ndarray]:
         | (_MIN_TOKENS if p.min_tokens > 0 else 0) | (_PENALTIES if p.needs_penalties else 0)
         | (_GREEDY if p.greedy else 0) | (_SEEDED if req.seed is not None else 0)
         | (_ALLOWED if p.allowed_token_ids else 0) | (_BAD_WORDS if p._bad_words_token_ids else 0)
+        | (_HISTORY if p.needs_penalties or any(len(t) > 1 for t in p._bad_words_token_ids) else 0)
     )  # fmt: skip
     return flags, row
 
@@ -226,9 +229,9 @@ class Sampler:
         if allowed_rows or bias_rows or mask_rows or pen_rows or bad_rows:  # edited in place: a float32 copy
             logits = logits.to(torch.float32, copy=True)
         if allowed_rows:  # -inf everywhere in those rows but at their allowed ids (validated < vocab)
-            lists = [reqs[i].params.allowed_token_ids for i in allowed_rows]
-            rows = np.repeat(np.asarray(allowed_rows, dtype=np.int64), [len(x) for x in lists])
-            ids = np.concatenate([_allowed_array(reqs[i]) for i in allowed_rows])
+            arrays = [_allowed_array(reqs[i]) for i in allowed_rows]
+            rows = np.repeat(np.asarray(allowed_rows, dtype=np.int64), [len(a) for a in arrays])
+            ids = np.concatenate(arrays)
             ids_d = to_device(np.stack([rows, ids]), dev)
             kept = logits[ids_d[0], ids_d[1]]
             logits[to_device(np.asarray(allowed_rows, dtype=np.int64), dev)] = float("-inf")
@@ -271,10 +274,7 @@ class Sampler:
             else:
                 tokens = sampled
 
-        # Penalties and bad words of several tokens read the output so far on the host: the next step
-        # must wait for this one's tokens (penalized).
-        history = bool(pen_rows) or any(len(t) > 1 for i in bad_rows for t in reqs[i].params._bad_words_token_ids)
-        out = SamplerOutput(tokens=tokens, logprob_rows=lp_rows, penalized=history)
+        out = SamplerOutput(tokens=tokens, logprob_rows=lp_rows, needs_history=bool(some & _HISTORY))
         if lp_rows:
             if len(lp_rows) == B:
                 lp, toks = raw_logprobs, tokens
