@@ -12,6 +12,14 @@ GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 
 
+TRUNCATION_RANGE = "an integer >= 1, or -1 (as many as leave room for max_tokens), or None"
+
+
+def valid_truncation(k) -> bool:
+    """truncate_prompt_tokens: None, -1 or an integer >= 1 (not a bool)."""
+    return k is None or (isinstance(k, int) and not isinstance(k, bool) and (k >= 1 or k == -1))
+
+
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # every output holds everything generated so far
     DELTA = 1  # every output holds only what is new since the last one
@@ -113,21 +121,21 @@ class SamplingParams:
                         f"logit_bias maps token ids >= 0 to values in [-100, 100], got {tok}: {bias}"
                     )
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-        k = self.truncate_prompt_tokens
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1)):
-            raise bad("truncate_prompt_tokens", "an integer >= 1, or -1 (as many as fit), or None")
+        if not valid_truncation(self.truncate_prompt_tokens):
+            raise bad("truncate_prompt_tokens", TRUNCATION_RANGE)
         if self.bad_words is not None:
             if isinstance(self.bad_words, str) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
                 raise bad("bad_words", "a list of words that are not empty or blank (or None)")
             self.bad_words = list(self.bad_words)
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
-            ok = isinstance(ids, (list, tuple)) and len(ids) > 0
-            try:  # operator.index: ints (numpy's too), not floats, bools or None
-                clean = sorted({operator.index(t) for t in ids if not isinstance(t, bool)}) if ok else []
+            try:  # operator.index: ints (numpy's too), not floats or None; bools are refused apart
+                if not isinstance(ids, (list, tuple)) or not ids or any(isinstance(t, bool) for t in ids):
+                    raise TypeError
+                clean = sorted({operator.index(t) for t in ids})
             except TypeError:
-                clean = []
-            if not clean or len(clean) != len(set(ids)) or clean[0] < 0:
+                clean = [-1]
+            if clean[0] < 0:
                 raise bad("allowed_token_ids", "a non-empty list of token ids >= 0 (or None)")
             self.allowed_token_ids = clean
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
-from arcserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from arcserve.sampling_params import MAX_LOGPROBS, TRUNCATION_RANGE, SamplingParams, valid_truncation
 
 MAX_N = 128
 MAX_STOP = 16
@@ -134,11 +134,11 @@ class _Sampling(BaseModel):
             raise ValueError(f"bad_words must hold at most {MAX_STOP} words of at most {MAX_STOP_LEN} characters each")
         return _valid_unicode(v, "bad_words")
 
-    @field_validator("truncate_prompt_tokens")
+    @field_validator("truncate_prompt_tokens")  # checked here: the server truncates before SamplingParams exist
     @classmethod
     def _truncation(cls, v):
-        if v is not None and v < 1 and v != -1:
-            raise ValueError("truncate_prompt_tokens must be an integer >= 1, or -1 (as many as fit)")
+        if not valid_truncation(v):
+            raise ValueError(f"truncate_prompt_tokens must be {TRUNCATION_RANGE}")
         return v
 
     def _stop_list(self) -> list[str]:
@@ -192,6 +192,11 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.suffix is not None:
+            return "suffix", "suffix is not supported"
+        return super().unsupported()
 
     @field_validator("prompt", mode="wrap")
     @classmethod

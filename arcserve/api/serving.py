@@ -52,7 +52,7 @@ class Serving:
         """The request's messages through the chat template: (text, token ids); a long chat is
         rendered off the event loop; a template that fails on them is a 400."""
         messages = [m.as_template_dict() for m in body.messages]
-        args = (messages, chat_template, body.add_generation_prompt, kwargs, getattr(body, "continue_final_message", False))
+        args = (messages, chat_template, body.add_generation_prompt, kwargs, body.continue_final_message)
         try:
             return await off_loop(sum(len(m["content"]) for m in messages), self.llm.apply_chat_template, *args)
         except ValueError as e:
@@ -158,8 +158,6 @@ class Serving:
 
     async def completions(self, body: CompletionRequest, raw: Request):
         self._refuse_unsupported(body)
-        if body.suffix is not None:
-            raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of must equal n (or be left out)", param="best_of")
         try:  # tokenize once; the engine gets token ids
@@ -292,13 +290,14 @@ class Serving:
 
     async def chat(self, body: ChatCompletionRequest, raw: Request, chat_template: str | None):
         self._refuse_unsupported(body)
+        requested = body.max_completion_tokens or body.max_tokens
         text, ids = self.llm.truncate_prompt(*await self.render_chat(body, chat_template, body.chat_template_kwargs),
-                                             body.truncate_prompt_tokens, body.max_completion_tokens or body.max_tokens)  # fmt: skip
+                                             body.truncate_prompt_tokens, requested)  # fmt: skip
         prompt = {"prompt_token_ids": ids, "prompt": text}
         k = body.top_logprobs or 0
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        mt = self._max_tokens(body.max_completion_tokens or body.max_tokens, len(ids))
+        mt = self._max_tokens(requested, len(ids))
         try:
             params = body.to_sampling_params(self.llm.generation_defaults.sampling, mt, k if body.logprobs else None,
                                              body.prompt_logprobs)  # fmt: skip
