@@ -46,22 +46,14 @@ def per_stream_counters() -> None:
     triton_ops.zeroed_counters = triton_attention.zeroed_counters = counters
 
 
-def fill(sg: StepGraphs, ids, positions, slots, seq_lens, tables) -> None:
-    """Write a decode batch into sg's static inputs (what StepGraphs.run does before a replay)."""
-    n = len(ids)
-    hs, hbuf = sg.hsts[0], sg.hbufs[0]
-    qsl = np.arange(n + 1)
-    seq, q0 = sg.plan_tiles(qsl, sg.block_q["decode"])
-    hs["ids"][:n], hs["positions"][:n], hs["slots"][:n] = ids, positions, slots
-    hs["qsl"][: n + 1] = qsl
-    hs["seq_lens"][:n] = seq_lens
-    hs["tile_seq"][: len(seq)] = seq
-    hs["tile_q"][: len(q0)] = q0
-    hs["block_tables"][:n, : tables.shape[1]] = tables
-    sg.buf.copy_(hbuf)
+def decode_inputs(ids, positions, slots, seq_lens, tables) -> dict:
+    """A decode batch as runner._host_inputs gives it to StepGraphs.stage (every token on the host)."""
+    n, none = len(ids), np.zeros(0, dtype=np.int64)
+    return {"ids": ids, "positions": positions, "slots": slots, "qsl": np.arange(n + 1), "seq_lens": seq_lens,
+            "tables": tables, "feed_dst": none, "feed_src": none}  # fmt: skip
 
 
-def profile_replay(g, n: int, wall_ms: float, path: str) -> None:
+def profile_replay(g, dev, n: int, wall_ms: float, path: str) -> None:
     """Kernels of 5 replays: their summed durations against the replays' span (the rest is gaps
     between kernels), the largest kernels by name."""
     import json
@@ -71,7 +63,7 @@ def profile_replay(g, n: int, wall_ms: float, path: str) -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             g.replay()
-        synchronize(g_dev)
+        synchronize(dev)
     prof.export_chrome_trace(path)
     ev = [e for e in json.load(open(path))["traceEvents"] if e.get("cat") == "kernel"]
     ev.sort(key=lambda e: e["ts"])
@@ -89,14 +81,14 @@ def profile_replay(g, n: int, wall_ms: float, path: str) -> None:
         print(f"    {k:60s} {d:8.1f} us  {c // 5:4d} calls  {d / max(1, c // 5):6.2f} us/call")
 
 
-def timed(g, reps: int = 30) -> float:
+def timed(g, dev, reps: int = 30) -> float:
     g.replay()
-    synchronize(g_dev)
+    synchronize(dev)
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
         g.replay()
-        synchronize(g_dev)
+        synchronize(dev)
         ts.append(time.perf_counter() - t)
     return float(np.median(ts)) * 1e3
 
@@ -112,7 +104,7 @@ def graph_of_parts(model, kv, bs: int, pool, side: list, batch: tuple, parts: in
     sgs, metas, lo = [], [], 0
     for s in sizes:
         sg = StepGraphs(model, kv, bs, 4096, s, 256)
-        fill(sg, *(x[lo : lo + s] for x in batch))
+        sg.stage(("decode", s), decode_inputs(*(x[lo : lo + s] for x in batch)), None)
         sgs.append(sg)
         metas.append(sg._meta("decode", s))
         lo += s
@@ -138,12 +130,8 @@ def graph_of_parts(model, kv, bs: int, pool, side: list, batch: tuple, parts: in
     return g, outs
 
 
-g_dev = None
-
-
 @torch.inference_mode()
 def main() -> None:
-    global g_dev
     p = argparse.ArgumentParser()
     p.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--lo", type=int, default=200)
@@ -160,7 +148,7 @@ def main() -> None:
               enforce_eager=True, max_num_batched_tokens=256)  # fmt: skip
     runner = llm.llm_engine.runner
     model, kv, bs = runner.model, runner.kv_caches, runner.block_size
-    g_dev = dev = model.device
+    dev = model.device
     nblocks = kv[0][0].shape[0]
     rng = np.random.default_rng(0)
     torch.manual_seed(0)
@@ -188,15 +176,15 @@ def main() -> None:
         graph_of = functools.partial(graph_of_parts, model, kv, bs, pool, side, batch)
 
         g1, (o1,) = graph_of(1, False)
-        t1 = timed(g1)
+        t1 = timed(g1, dev)
         if a.profile:
-            profile_replay(g1, n, t1, f"{a.profile}.{n}.json")
+            profile_replay(g1, dev, n, t1, f"{a.profile}.{n}.json")
         ref = o1.float().clone()
         for parts in a.parts:
             gs, os_ = graph_of(parts, False)
-            ts_ = timed(gs)
+            ts_ = timed(gs, dev)
             gm, om = graph_of(parts, True)
-            tm = timed(gm)
+            tm = timed(gm, dev)
             got_s, got_m = (torch.cat([o.float() for o in outs]) for outs in (os_, om))
             assert torch.equal(got_s, got_m), "same kernels on two streams gave other values"
             err = ((got_s - ref).norm() / ref.norm()).item()  # other split counts: rounding only

@@ -177,9 +177,17 @@ class StepGraphs:
         return None
 
     def run(self, key: tuple[str, int], h: dict, last_tokens: torch.Tensor | None) -> torch.Tensor:
-        """Fill the static inputs from the step's host arrays (runner._host_inputs) and the tokens
-        the previous step sampled on the device (last_tokens), replay, and return the hidden states
-        of the step's T tokens (a view of the graph's output)."""
+        """Fill the static inputs (stage), replay, and return the hidden states of the step's T
+        tokens (a view of the graph's output)."""
+        T = self.stage(key, h, last_tokens)
+        graph, hidden = self.graphs[key]
+        graph.replay()
+        return hidden[:T]
+
+    def stage(self, key: tuple[str, int], h: dict, last_tokens: torch.Tensor | None) -> int:
+        """Fill the static inputs of graph `key` from the step's host arrays (runner._host_inputs)
+        and the tokens the previous step sampled on the device (last_tokens); returns the step's
+        token count T."""
         kind, size = key
         turn = self.turn
         self.turn ^= 1
@@ -209,6 +217,4 @@ class StepGraphs:
         if k:
             st = self.st
             feed_tokens(st["ids"], last_tokens, h["feed_dst"], h["feed_src"], st["feed_dst"][:k], st["feed_src"][:k])
-        graph, hidden = self.graphs[key]
-        graph.replay()
-        return hidden[:T]
+        return T
