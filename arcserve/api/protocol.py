@@ -2,11 +2,12 @@
 
 Unknown fields are accepted and ignored (clients send vendor extras); wrong types and out-of-range
 values are 400s, and so are known fields asking for what arcserve cannot do (structured output, tool
-calls: unsupported()), rather than being answered as if they were not there. to_sampling_params() fills unset fields from the model's generation_config defaults.
-Limits: n <= MAX_N; at most MAX_STOP stop strings (and bad_words) of at most MAX_STOP_LEN characters; at most
-MAX_PROMPTS prompts and MAX_CHOICES choices (prompts x n) per request; seed + n - 1 fits in int64;
-prompts, messages and stop strings must be valid Unicode (JSON can carry lone surrogates such as
-"\\ud800", which tokenizers and UTF-8 refuse).
+calls, suffix...: unsupported()), rather than being answered as if they were not there.
+to_sampling_params() fills unset fields from the model's generation_config defaults.
+Limits: n <= MAX_N; at most MAX_STOP stop strings (and bad_words) of at most MAX_STOP_LEN characters;
+at most MAX_PROMPTS prompts and MAX_CHOICES choices (prompts x n) per request; seed + n - 1 fits in
+int64; prompts, messages, stop strings and bad_words must be valid Unicode (JSON can carry lone
+surrogates such as "\\ud800", which tokenizers and UTF-8 refuse).
 """
 
 from __future__ import annotations
