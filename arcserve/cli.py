@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import sys
 
-from arcserve.config import EngineArgs
+from arcserve.config import KV_CACHE_DTYPES, EngineArgs
 from arcserve.platform import DEVICE_CHOICES
 
 
@@ -26,6 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV cache size in blocks")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="auto: the model dtype; fp8 (= fp8_e4m3) or fp8_e5m2: 8-bit floats, scale 1.0 (half the bytes of bf16)")
     _bool_flag(p, "enable-prefix-caching", True, "reuse KV blocks of shared prompt prefixes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])

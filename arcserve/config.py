@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SPEC_METHODS = ("ngram", "draft_model")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -73,6 +74,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None  # per-step token budget; default 2048 on the CPU, 8192 on GPUs
     block_size: int = 16
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2
     num_kv_blocks: int | None = None  # fixes the KV cache size; else from kv_cache_memory_bytes
     kv_cache_memory_bytes: int | None = None  # CPU default: min(4 GiB, 30% of available memory)
     seed: int = 0
@@ -101,6 +103,8 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two from 1 to 128, got {self.block_size}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

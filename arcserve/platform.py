@@ -117,6 +117,17 @@ def triton_min_dot_rows(device: torch.device) -> int:
     return 16 if device.type == "xpu" else 1
 
 
+def fp8_kv_cache_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why an 8-bit float KV cache of `dtype` cannot run on `device`, or None when it can. NVIDIA
+    GPUs convert float8 e4m3 in hardware from compute capability 8.9 (Ada, Hopper), where Triton
+    supports it; e5m2 also on older ones. On the CPU, torch converts both."""
+    if device.type == "cuda" and dtype == torch.float8_e4m3fn:
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            return f"float8 e4m3 needs compute capability 8.9 or newer; this GPU has {cap[0]}.{cap[1]} (fp8_e5m2 runs here)"
+    return None
+
+
 def triton_launch_options(device: torch.device) -> dict:
     """Backend-specific options for every Triton launch on `device`:
     - Intel XPU: large register files (grf_mode);

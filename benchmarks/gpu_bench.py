@@ -40,6 +40,8 @@ def engine(a, model: Path, **kw):
     kw["enforce_eager"] = a.enforce_eager
     if a.async_scheduling is not None:
         kw["async_scheduling"] = a.async_scheduling == "on"
+    if a.kv_cache_dtype != "auto":
+        kw["kv_cache_dtype"] = a.kv_cache_dtype
     llm = LLM(model=str(model), load_format="dummy", dtype="bfloat16", seed=0, **kw)
     return llm, SamplingParams
 
@@ -95,7 +97,8 @@ def bench_throughput(a, dirs) -> dict:
          "total_tok_s": round((out_tokens + sum(i for i, _ in reqs)) / dt, 1)}  # fmt: skip
     if steps is not None:
         cfg = json.loads((dirs["qwen3-0.6b"] / "config.json").read_text())
-        r["timeline"] = timeline_table(steps, t, cfg, copy_bandwidth(), a.timeline)
+        kv_elem = 1 if a.kv_cache_dtype.startswith("fp8") else 2
+        r["timeline"] = timeline_table(steps, t, cfg, copy_bandwidth(), a.timeline, kv_elem)
     return r
 
 
@@ -188,10 +191,11 @@ class StepLog(list):
             print(f"{n:5d}  {where}")
 
 
-def timeline_table(steps: list, start: float, cfg: dict, bw: float, path: str) -> list:
+def timeline_table(steps: list, start: float, cfg: dict, bw: float, path: str, kv_elem: int = 2) -> list:
     """Group the steps (mixed, then decode by batch size) with their time and their floor: KV bytes
-    read (every context token's K and V in every layer) plus the weights, over copy bandwidth."""
-    kv_tok = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    read (every context token's K and V in every layer, kv_elem bytes each) plus the weights, over
+    copy bandwidth."""
+    kv_tok = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * kv_elem
     w = weight_bytes(cfg)
     Path(path).write_text(json.dumps({"start": start, "steps": steps, "gc": steps.gc}))
     steps.host_bound(start)
@@ -273,6 +277,8 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--async-scheduling", choices=["on", "off"], default=None,
                    help="overlapped steps (default: the engine's own default, on for GPUs)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="the KV cache's element type (both engines take vLLM's names)")
     p.add_argument("--models", default="/tmp/arcserve-shapes")
     p.add_argument("--out", default=None, help="append the JSON result lines to this file")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="throughput: the per-step token budget")
@@ -287,6 +293,7 @@ def main() -> None:
     if parts:  # one process each, so no engine's memory stays behind for the next
         flags = ["--engine", a.engine, "--models", a.models] + ["--enforce-eager"] * a.enforce_eager
         flags += ["--async-scheduling", a.async_scheduling] if a.async_scheduling else []
+        flags += ["--kv-cache-dtype", a.kv_cache_dtype]
         flags += ["--out", a.out] if a.out else []
         failed = [part for part in parts if subprocess.run([sys.executable, __file__, part, *flags]).returncode]
         if failed:  # the other parts still ran; their results stand
@@ -296,7 +303,8 @@ def main() -> None:
         r = bench_decode(a, dirs, a.which.removeprefix("decode-"))
     else:
         r = {"prefix": bench_prefix, "throughput": bench_throughput}[a.which](a, dirs)
-    r.update(engine=a.engine, enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling or "default")
+    r.update(engine=a.engine, enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling or "default",
+             kv_cache_dtype=a.kv_cache_dtype)
     print("RESULT " + json.dumps(r), flush=True)
     if a.out:
         with open(a.out, "a") as f:

@@ -10,6 +10,7 @@ gaps do not count), over enough copies of its inputs to miss the L2 cache.
     python benchmarks/gpu_kernels.py gemv-grid         # matrix-vector program shapes, Llama-8B
     python benchmarks/gpu_kernels.py gemv-candidates   # a few shapes on every one-row matrix
     python benchmarks/gpu_kernels.py attention-varied  # decode attention over mixed context lengths, by split
+    python benchmarks/gpu_kernels.py attention-varied fp8  # the same over an 8-bit cache (attention-sweep too)
     python benchmarks/gpu_kernels.py prefill-sweep     # mixed steps' prompt-chunk attention tiles
     python benchmarks/gpu_kernels.py batch-gemm        # decode-batch products (8-256 rows): cuBLAS against
                                                        # a plain Triton GEMM (an experiment, not in arcserve)
@@ -103,12 +104,12 @@ def decode_meta(batch: int, ctx: int, kvh: int, bs: int = 16):
     return paged_meta(np.ones(batch, dtype=np.int64), np.full(batch, ctx), bs)
 
 
-def decode_attention(batch: int, ctx: int, h: int, kvh: int, d: int):
-    """(plan, fn): a decode step's attention over random bf16 KV; fn runs it, plan is its launch
-    settings (change them in place to try others)."""
+def decode_attention(batch: int, ctx: int, h: int, kvh: int, d: int, cache_dtype=BF16):
+    """(plan, fn): a decode step's attention over random KV (bf16, or an 8-bit cache); fn runs it,
+    plan is its launch settings (change them in place to try others)."""
     meta, nblocks = decode_meta(batch, ctx, kvh)
-    kc = torch.randn(nblocks, 16, kvh, d, device=DEV, dtype=BF16)
-    vc = torch.randn_like(kc)
+    kc = torch.randn(nblocks, 16, kvh, d, device=DEV, dtype=BF16).to(cache_dtype)
+    vc = torch.randn(nblocks, 16, kvh, d, device=DEV, dtype=BF16).to(cache_dtype)
     q = torch.randn(batch, h, d, device=DEV, dtype=BF16)
     plan = triton_attention.prepare(meta, h, kvh, DEV)
     return plan, lambda: triton_attention.paged_attention(q, None, None, kc, vc, meta, d**-0.5, None, 0)
@@ -126,17 +127,18 @@ def prefill_meta(T: int):
 
 
 @torch.inference_mode()
-def attention_sweep() -> None:
+def attention_sweep(cache_dtype=BF16) -> None:
     """Decode attention over launch settings: splits x BLOCK_N x warps x stages, at batch 1 and at
-    the batches of a throughput run (64-256 sequences of ~700-1,024 tokens); % of the KV-read floor."""
+    the batches of a throughput run (64-256 sequences of ~700-1,024 tokens); % of the KV-read floor
+    (cache_dtype: bf16, or an 8-bit cache, `attention-sweep fp8`)."""
     from gpu_bench import copy_bandwidth
 
     bw = copy_bandwidth()
     h, kvh, d = 16, 8, 128
     print(f"{'batch':>5s} {'ctx':>6s} {'splits':>6s} {'block_n':>7s} {'warps':>5s} {'stages':>6s} {'us':>8s} {'floor':>6s}")
     for batch, ctx in ((1, 2048), (64, 1024), (128, 1024), (256, 768)):
-        plan, fn = decode_attention(batch, ctx, h, kvh, d)
-        floor = 2 * 2 * batch * ctx * kvh * d / bw * 1e6
+        plan, fn = decode_attention(batch, ctx, h, kvh, d, cache_dtype)
+        floor = 2 * cache_dtype.itemsize * batch * ctx * kvh * d / bw * 1e6
         for splits in ((1, 4, 16) if batch == 1 else (1,)):
             for block_n in (32, 64, 128):
                 for warps in (2, 4, 8):
@@ -151,9 +153,10 @@ def attention_sweep() -> None:
 
 
 @torch.inference_mode()
-def attention_varied() -> None:
+def attention_varied(cache_dtype=BF16) -> None:
     """Decode attention (Qwen3-0.6B heads) over sequences of mixed context lengths, as in a
-    throughput run, at each KV split: the chosen one (*) against the others, % of the KV-read floor."""
+    throughput run, at each KV split: the chosen one (*) against the others, % of the KV-read floor
+    (cache_dtype: bf16, or an 8-bit cache, `attention-varied fp8`)."""
     from gpu_bench import copy_bandwidth
 
     bw = copy_bandwidth()
@@ -163,11 +166,11 @@ def attention_varied() -> None:
                           (128, 800, 2048), (192, 200, 1800), (256, 200, 1600)):  # fmt: skip
         lens = rng.integers(lo, hi + 1, batch)
         meta, blocks = paged_meta(np.ones(batch, dtype=np.int64), lens, bs)
-        kc = torch.randn(blocks, bs, kvh, d, device=DEV, dtype=BF16)
-        vc = torch.randn_like(kc)
+        kc = torch.randn(blocks, bs, kvh, d, device=DEV, dtype=BF16).to(cache_dtype)
+        vc = torch.randn(blocks, bs, kvh, d, device=DEV, dtype=BF16).to(cache_dtype)
         q = torch.randn(batch, h, d, device=DEV, dtype=BF16)
         plan = triton_attention.prepare(meta, h, kvh, DEV)
-        floor, chosen = 2 * 2 * int(lens.sum()) * kvh * d / bw * 1e6, plan["splits"]
+        floor, chosen = 2 * cache_dtype.itemsize * int(lens.sum()) * kvh * d / bw * 1e6, plan["splits"]
         for splits in (1, 2, 4, 8):
             plan["splits"] = splits
             us = graph_time([lambda: triton_attention.paged_attention(q, None, None, kc, vc, meta, d**-0.5, None, 0)])
@@ -382,10 +385,11 @@ def gemv_sweep(grid: bool) -> None:
 def main() -> None:
     if sys.argv[1:] in (["gemv-grid"], ["gemv-candidates"]):
         return gemv_sweep(grid=sys.argv[1] == "gemv-grid")
-    if sys.argv[1:] == ["attention-sweep"]:
-        return attention_sweep()
-    if sys.argv[1:] == ["attention-varied"]:
-        return attention_varied()
+    cache = torch.float8_e4m3fn if sys.argv[2:] == ["fp8"] else BF16
+    if sys.argv[1:2] == ["attention-sweep"]:
+        return attention_sweep(cache)
+    if sys.argv[1:2] == ["attention-varied"]:
+        return attention_varied(cache)
     if sys.argv[1:] == ["batch-gemm"]:
         return batch_gemm()
     if sys.argv[1:] == ["prefill-sweep"]:

@@ -8,7 +8,7 @@ from arcserve.kernels import resolve_kernels
 
 
 @pytest.mark.parametrize("bad", [dict(gpu_memory_utilization=0), dict(gpu_memory_utilization=1.5),
-                                 dict(load_format="pt")])  # fmt: skip
+                                 dict(load_format="pt"), dict(kv_cache_dtype="int8"), dict(kv_cache_dtype="fp16")])  # fmt: skip
 def test_bad_engine_options_name_the_option(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         EngineArgs(**bad)
@@ -51,9 +51,11 @@ def test_cli_engine_flags_map_onto_engine_args():
     p = argparse.ArgumentParser()
     add_engine_args(p)
     a = engine_args_from(p.parse_args(["m", "--no-async-scheduling", "--enforce-eager", "--load-format", "dummy",
-                                       "--kernels", "triton", "--gpu-memory-utilization", "0.5"]))  # fmt: skip
+                                       "--kernels", "triton", "--gpu-memory-utilization", "0.5",
+                                       "--kv-cache-dtype", "fp8_e5m2"]))  # fmt: skip
     assert (a.model, a.async_scheduling, a.enforce_eager, a.load_format, a.kernels) == ("m", False, True, "dummy", "triton")
-    assert a.gpu_memory_utilization == 0.5
+    assert a.gpu_memory_utilization == 0.5 and a.kv_cache_dtype == "fp8_e5m2"
+    assert engine_args_from(p.parse_args(["m"])).kv_cache_dtype == "auto"
     assert engine_args_from(p.parse_args(["m", "--async-scheduling"])).async_scheduling is True
     assert engine_args_from(p.parse_args(["m"])).async_scheduling is None  # the device decides
 

@@ -51,7 +51,9 @@ def load_draft_model(path: str, engine, ops) -> DecoderModel:
         )
     check_max_model_len(engine.max_model_len, cfg, f"the draft model {path}")
     a = engine.args
-    return load_model(cfg, engine.dtype, engine.device, ops, engine.max_model_len, a.load_format, a.seed)
+    model = load_model(cfg, engine.dtype, engine.device, ops, engine.max_model_len, a.load_format, a.seed)
+    model.kv_cache_dtype = engine.model.kv_cache_dtype
+    return model
 
 
 class _DraftSeq:

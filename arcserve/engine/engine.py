@@ -20,7 +20,7 @@ from arcserve.engine.metrics import EngineMetrics
 from arcserve.engine.output_processor import OutputProcessor, RequestGroup
 from arcserve.engine.policy import make_policy
 from arcserve.engine.request import Request, RequestStatus
-from arcserve.engine.runner import ModelRunner, StepHandle
+from arcserve.engine.runner import ModelRunner, StepHandle, resolve_kv_cache_dtype
 from arcserve.engine.scheduler import Scheduler, SchedulerOutput
 from arcserve.engine.speculative import DraftLength, accept
 from arcserve.kernels import get_ops
@@ -52,10 +52,13 @@ class LLMEngine(InputProcessor):
 
         t0 = time.time()
         ops = get_ops(args.kernels, self.device, compiled=not args.enforce_eager)
+        kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device)
         self.model = load_model(cfg, self.dtype, self.device, ops, self.max_model_len, args.load_format, args.seed)
+        self.model.kv_cache_dtype = kv_dtype
         logger.info(
-            "Loaded %s (%s, %d layers) as %s on %s in %.1f s", args.model, cfg.architecture,
+            "Loaded %s (%s, %d layers) as %s on %s in %.1f s%s", args.model, cfg.architecture,
             cfg.num_layers, str(self.dtype).removeprefix("torch."), self.device, time.time() - t0,
+            "" if kv_dtype == self.dtype else f"; KV cache in {str(kv_dtype).removeprefix('torch.')}",
         )  # fmt: skip
         self.max_num_batched_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS.get(
             self.device.type, GPU_MAX_NUM_BATCHED_TOKENS

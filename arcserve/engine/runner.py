@@ -26,6 +26,7 @@ from arcserve.models.decoder import DecoderModel
 from arcserve.outputs import Logprob
 from arcserve.platform import (
     empty_cache,
+    fp8_kv_cache_unsupported,
     graphs_supported,
     memory_allocated,
     memory_info,
@@ -89,10 +90,26 @@ class StepHandle:
         return result
 
 
+FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's element type for EngineArgs.kv_cache_dtype: auto = the model's dtype; fp8
+    (= fp8_e4m3) and fp8_e5m2 = 8-bit floats with a scale of 1.0 (vLLM's default without
+    calibrated scales): K/V are rounded to the nearest 8-bit value and saturate at its largest
+    finite one (448 for e4m3, 57,344 for e5m2). Raises ValueError where the device cannot run it."""
+    if name == "auto":
+        return model_dtype
+    dtype = FP8_KV_DTYPES[name]
+    why = fp8_kv_cache_unsupported(device, dtype)
+    if why:
+        raise ValueError(f"kv_cache_dtype={name!r} cannot run on {device}: {why}")
+    return dtype
+
+
 def kv_cache_bytes_per_block(model: DecoderModel, block_size: int) -> int:
     cfg = model.cfg
-    elem = torch.empty((), dtype=model.dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * model.kv_cache_dtype.itemsize
 
 
 def _prefill_meta(lens: list[int], block_size: int, device: torch.device) -> AttentionMetadata:
@@ -129,7 +146,8 @@ def profile_peak_activations(model: DecoderModel, num_tokens: int, max_model_len
     nb = sum(-(-n // block_size) for n in lens)
     reset_peak_memory(dev)
     before = memory_allocated(dev)[0]
-    kv = torch.zeros(cfg.num_layers, 2, nb, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype, device=dev)
+    kv = torch.zeros(cfg.num_layers, 2, nb, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=model.kv_cache_dtype,
+                     device=dev)  # fmt: skip
     kv_bytes = kv.numel() * kv.element_size()
     meta = _prefill_meta(lens, block_size, dev)
     ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=dev)
@@ -162,7 +180,7 @@ class ModelRunner:
         cfg = model.cfg
         self.kv = torch.zeros(
             cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-            dtype=model.dtype, device=self.device,
+            dtype=model.kv_cache_dtype, device=self.device,
         )  # fmt: skip
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
         self.sampler = Sampler(self.device, seed, model.ops.sample_from_cdf)

@@ -187,12 +187,14 @@ class DecodeMirror:
         if fill is not None:  # new decoders: copy their context from the paged cache, once
             first, blocks, n = fill
             rows = slice(first, first + blocks.shape[0])
-            K[rows, :, :n] = reference._gather(k_cache, blocks)[:, :, :n]
-            V[rows, :, :n] = reference._gather(v_cache, blocks)[:, :, :n]
+            K[rows, :, :n] = reference._gather(k_cache, blocks, K.dtype)[:, :, :n]
+            V[rows, :, :n] = reference._gather(v_cache, blocks, V.dtype)[:, :, :n]
         if tok is not None:
             q, k, v = q[tok], k[tok], v[tok]
         (n, heads, hd), kvh, L = q.shape, K.shape[1], plan["max_len"]
         # This step's token of each row: one index_copy_ per buffer at flat (row, head, pos) offsets.
+        # (as the paged cache holds it: an 8-bit cache's rounding included)
+        k, v = reference.kv_round_trip(k, k_cache.dtype), reference.kv_round_trip(v, v_cache.dtype)
         K.view(-1, hd).index_copy_(0, plan["slots"], k.to(K.dtype).reshape(-1, hd))
         V.view(-1, hd).index_copy_(0, plan["slots"], v.to(V.dtype).reshape(-1, hd))
         # Rows form: the query heads sharing a KV head ride as its query rows (no mask among them);

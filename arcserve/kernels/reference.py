@@ -183,13 +183,35 @@ def rotary_embedding(qk: torch.Tensor, rope: tuple, neox: bool = True) -> torch.
     return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
 
 
+def to_kv_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in a KV cache's dtype. An 8-bit float cache (kv_cache_dtype fp8*, scale 1.0) takes the
+    nearest 8-bit value, saturating at its largest finite one (448 for e4m3, 57,344 for e5m2)."""
+    if x.dtype == dtype:
+        return x
+    if dtype.itemsize == 1:
+        big = torch.finfo(dtype).max
+        x = x.clamp(-big, big)
+    return x.to(dtype)
+
+
+def kv_round_trip(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x as an 8-bit float cache gives it back (x itself for a cache in x's dtype): what attention
+    reads of a token it stored this step."""
+    return x if cache_dtype == x.dtype else to_kv_cache(x, cache_dtype).to(x.dtype)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An 8-bit float cache indexed as bytes: torch has no float8 index_copy_/index_select on the CPU."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
     """Write each token's K/V to its slot (block * block_size + offset) in the paged cache."""
     nb, bs = k_cache.shape[:2]
-    k_cache.view(nb * bs, *k_cache.shape[2:]).index_copy_(0, slots, k)
-    v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(0, slots, v)
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        _as_bytes(cache).view(nb * bs, *cache.shape[2:]).index_copy_(0, slots, _as_bytes(to_kv_cache(x, cache.dtype)))
 
 
 def qkv_prepare(qkv: torch.Tensor, num_q: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
@@ -263,11 +285,13 @@ def _plan(meta: AttentionMetadata, block_size: int, sliding_window: int | None) 
     return plan
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """[..., nblk] block ids -> [..., kv_heads, nblk * block_size, head_dim].
-    index_select copies whole blocks and is ~4x faster on CPU than advanced indexing."""
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[..., nblk] block ids -> [..., kv_heads, nblk * block_size, head_dim], in `dtype` (default:
+    the cache's). index_select copies whole blocks and is ~4x faster on CPU than advanced indexing."""
     _, bs, kvh, hd = cache.shape
-    g = cache.index_select(0, blocks.reshape(-1))
+    g = _as_bytes(cache).index_select(0, blocks.reshape(-1)).view(cache.dtype)
+    if dtype is not None:
+        g = g.to(dtype)
     return g.view(*blocks.shape[:-1], blocks.shape[-1] * bs, kvh, hd).transpose(-3, -2)
 
 
@@ -292,7 +316,7 @@ def paged_attention(
     decode = None if skip_decode else plan["decode"]
     if decode is not None:
         tok, blocks, mask = decode
-        kd, vd = _gather(k_cache, blocks), _gather(v_cache, blocks)  # [B, KVH, L, D]
+        kd, vd = _gather(k_cache, blocks, q.dtype), _gather(v_cache, blocks, q.dtype)  # [B, KVH, L, D]
         qd = q if not plan["prefill"] else q[tok]  # decode-only steps: tokens are the rows, in order
         o = F.scaled_dot_product_attention(qd.unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa)
         if not plan["prefill"]:
@@ -302,12 +326,12 @@ def paged_attention(
         out[tok] = o.squeeze(2)
     for start, n, ctx, blocks in plan["prefill"]:
         qp = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if blocks is None:
-            kp = k[start : start + n].transpose(0, 1).unsqueeze(0)
-            vp = v[start : start + n].transpose(0, 1).unsqueeze(0)
+        if blocks is None:  # what the cache gives back of them (an 8-bit cache rounds them)
+            kp = kv_round_trip(k[start : start + n], k_cache.dtype).transpose(0, 1).unsqueeze(0)
+            vp = kv_round_trip(v[start : start + n], v_cache.dtype).transpose(0, 1).unsqueeze(0)
         else:
-            kp = _gather(k_cache, blocks)[:, :ctx].unsqueeze(0)
-            vp = _gather(v_cache, blocks)[:, :ctx].unsqueeze(0)
+            kp = _gather(k_cache, blocks, q.dtype)[:, :ctx].unsqueeze(0)
+            vp = _gather(v_cache, blocks, q.dtype)[:, :ctx].unsqueeze(0)
         if ctx == n and sliding_window is None:
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
         else:

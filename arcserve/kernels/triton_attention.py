@@ -78,6 +78,10 @@ def _attn_kernel(
     )  # fmt: skip
     if DOT_F32:
         q = q.to(tl.float32)
+    elif k_cache_ptr.dtype.element_ty != q_ptr.dtype.element_ty:
+        # An 8-bit cache (scale 1.0): its values convert to float16 in one instruction (to bf16 in
+        # three), so the products run in float16, q clamped to its range once (see BENCHMARKS).
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     # KV positions this tile needs: up to its last token (causal), from the window's start.
     last = tl.minimum(prefix + q0 + BLOCK_Q, ctx)
@@ -110,6 +114,9 @@ def _attn_kernel(
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        elif k_cache_ptr.dtype.element_ty != q_ptr.dtype.element_ty:  # an 8-bit cache: to float16
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
         if DOT_F32:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:

@@ -27,6 +27,17 @@ def wait_prior_kernel(PDL: tl.constexpr):
         _start_next()
 
 
+@triton.jit
+def to_cache(x, cache_ptr):
+    """x in the KV cache's element type; an 8-bit float cache (kv_cache_dtype fp8*, scale 1.0)
+    saturates at its largest finite value, as reference.to_kv_cache does."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+    elif cache_ptr.dtype.element_ty == tl.float8e5:
+        x = tl.clamp(x.to(tl.float32), -57344.0, 57344.0)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
 _counters: dict[str, torch.Tensor] = {}
 _retired: list[torch.Tensor] = []  # captured graphs may still point at an outgrown counter buffer
 
@@ -65,8 +76,8 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, n_tok, stride_kt, s
     m = (slot >= 0)[:, None, None] & (h < KVH) & (d < D)
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=m)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=m)
-    tl.store(kc_ptr + blk * stride_cb + off * stride_cs + h * stride_ch + d, k, mask=m)
-    tl.store(vc_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d, v, mask=m)
+    tl.store(kc_ptr + blk * stride_cb + off * stride_cs + h * stride_ch + d, to_cache(k, kc_ptr), mask=m)
+    tl.store(vc_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d, to_cache(v, vc_ptr), mask=m)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -252,8 +263,8 @@ def _qkv_prepare_kernel(qkv_ptr, pos_ptr, cs_ptr, qn_ptr, kn_ptr, kc_ptr, vc_ptr
     # V heads: straight to the cache
     cache_off = (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vs
     vm = m & is_v & (slot >= 0)
-    tl.store(vc_ptr + cache_off + (h - NQ - NKV) * stride_vh + o1, x1.to(vc_ptr.dtype.element_ty), mask=vm)
-    tl.store(vc_ptr + cache_off + (h - NQ - NKV) * stride_vh + o2, x2.to(vc_ptr.dtype.element_ty), mask=vm)
+    tl.store(vc_ptr + cache_off + (h - NQ - NKV) * stride_vh + o1, to_cache(x1, vc_ptr), mask=vm)
+    tl.store(vc_ptr + cache_off + (h - NQ - NKV) * stride_vh + o2, to_cache(x2, vc_ptr), mask=vm)
     if HAS_NORM:  # per-head RMSNorm of q and k heads, rounded to the model dtype as the twin does
         var = (tl.sum(x1 * x1, 2) + tl.sum(x2 * x2, 2)) / (2 * HALF)
         r = tl.rsqrt(var + eps)[:, :, None]
@@ -271,8 +282,8 @@ def _qkv_prepare_kernel(qkv_ptr, pos_ptr, cs_ptr, qn_ptr, kn_ptr, kc_ptr, vc_ptr
     tl.store(base + o2, y2, mask=qk)
     km = m & is_k & (slot >= 0)
     k_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs_ + (h - NQ) * stride_ch
-    tl.store(kc_ptr + k_off + o1, y1.to(kc_ptr.dtype.element_ty), mask=km)
-    tl.store(kc_ptr + k_off + o2, y2.to(kc_ptr.dtype.element_ty), mask=km)
+    tl.store(kc_ptr + k_off + o1, to_cache(y1, kc_ptr), mask=km)
+    tl.store(kc_ptr + k_off + o2, to_cache(y2, kc_ptr), mask=km)
 
 
 def qkv_prepare(qkv: torch.Tensor, num_q: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,

@@ -52,6 +52,7 @@ class DecoderModel:
         self.ops = ops
         self.dtype = embed.dtype
         self.device = embed.device
+        self.kv_cache_dtype = self.dtype  # the engine sets an 8-bit float here for kv_cache_dtype="fp8..."
         self.cos_sin = cfg.rope_cos_sin(max_positions).to(self.device)
         self.scale = cfg.head_dim**-0.5
         self.q_size = cfg.num_heads * cfg.head_dim

@@ -52,20 +52,22 @@ def test_mirror_dtype_follows_the_cpu(native, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "seed,window,budget,dtype,native,sizing,prefault",
-    [(0, None, 1 << 30, torch.float32, False, False, False), (1, 7, 1 << 30, torch.float32, False, False, False),
-     (2, None, 1 << 30, torch.float32, False, True, False), (3, None, 4000, torch.float32, False, False, False),
-     (4, None, 1 << 30, torch.bfloat16, False, False, False), (5, 7, 1 << 30, torch.bfloat16, False, True, False),
-     (6, None, 1 << 30, torch.bfloat16, True, False, False), (7, 7, 1 << 30, torch.bfloat16, True, True, False),
-     (8, None, 2 * LAYERS * KVH * D * 4 * 5 * 24, torch.float32, False, True, False),
-     (9, None, 2 * LAYERS * KVH * D * 2 * 4 * 40, torch.bfloat16, True, True, False),
-     (10, 7, 1 << 20, torch.bfloat16, True, True, True),
-     (11, None, 2 * LAYERS * KVH * D * 4 * 5 * 24, torch.float32, False, True, True),
-     (12, None, 2 * LAYERS * KVH * D * 2 * 4 * 40, torch.bfloat16, True, True, True),
-     (13, None, 1 << 30, torch.bfloat16, True, "grain", False), (14, 7, 1 << 20, torch.float32, False, "grain", True)],
+    "seed,window,budget,dtype,native,sizing,prefault,cache",
+    [(0, None, 1 << 30, torch.float32, False, False, False, None), (1, 7, 1 << 30, torch.float32, False, False, False, None),
+     (2, None, 1 << 30, torch.float32, False, True, False, None), (3, None, 4000, torch.float32, False, False, False, None),
+     (4, None, 1 << 30, torch.bfloat16, False, False, False, None), (5, 7, 1 << 30, torch.bfloat16, False, True, False, None),
+     (6, None, 1 << 30, torch.bfloat16, True, False, False, None), (7, 7, 1 << 30, torch.bfloat16, True, True, False, None),
+     (8, None, 2 * LAYERS * KVH * D * 4 * 5 * 24, torch.float32, False, True, False, None),
+     (9, None, 2 * LAYERS * KVH * D * 2 * 4 * 40, torch.bfloat16, True, True, False, None),
+     (10, 7, 1 << 20, torch.bfloat16, True, True, True, None),
+     (11, None, 2 * LAYERS * KVH * D * 4 * 5 * 24, torch.float32, False, True, True, None),
+     (12, None, 2 * LAYERS * KVH * D * 2 * 4 * 40, torch.bfloat16, True, True, True, None),
+     (13, None, 1 << 30, torch.bfloat16, True, "grain", False, None), (14, 7, 1 << 20, torch.float32, False, "grain", True, None),
+     (15, None, 1 << 30, torch.bfloat16, True, True, False, torch.float8_e4m3fn),
+     (16, 7, 1 << 30, torch.float32, False, False, True, torch.float8_e5m2)]
 )  # fmt: skip
 def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dtype, native, sizing, prefault,
-                                                         monkeypatch):  # fmt: skip
+                                                         cache, monkeypatch):  # fmt: skip
     """bf16 against the reference in float32 on the same bf16 values: native=False, the float32
     mirror of a CPU without native half products (outputs differ by their rounding to bf16 only);
     native=True, a bf16 mirror through SDPA's GQA form. sizing: the engine's max_rows and max_len
@@ -73,15 +75,17 @@ def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dt
     several are held and each layer's rows move within the arena); the small budgets hold only a
     few rows or tokens, so growths shrink one dimension to widen the other and some steps fall back. prefault: the arena
     written up front, as the engine makes it (every layout is a view of one arena either way, so a
-    growth moves rows within memory the old layout also uses)."""
+    growth moves rows within memory the old layout also uses). cache: an 8-bit paged cache
+    (kv_cache_dtype fp8*): the mirror holds the model dtype, and what it appends is rounded as the
+    paged cache rounds it."""
     monkeypatch.setattr(cpu_attention, "MIN_MIRROR_CONTEXT", 1)  # tiny contexts: always mirror
     monkeypatch.setattr(reference, "native_half_matmul", lambda dtype: native)
     if sizing:
         monkeypatch.setattr(cpu_attention, "_GROW", 8)
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    kc = [torch.randn(NB, BS, KVH, D).to(dtype) for _ in range(LAYERS)]
-    vc = [torch.randn(NB, BS, KVH, D).to(dtype) for _ in range(LAYERS)]
+    kc = [torch.randn(NB, BS, KVH, D).to(cache or dtype) for _ in range(LAYERS)]
+    vc = [torch.randn(NB, BS, KVH, D).to(cache or dtype) for _ in range(LAYERS)]
     hints = sizing is True
     mirror = cpu_attention.DecodeMirror(LAYERS, KVH, D, dtype, torch.device("cpu"), budget,
                                         max_rows=6 if hints else None, max_len=16 * BS if hints else None,
@@ -125,6 +129,8 @@ def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dt
             reference.store_kv(k, v, kc[layer], vc[layer], meta_fast.slot_mapping)
             fast = cpu_attention.paged_attention(q, k, v, kc[layer], vc[layer], meta_fast, 0.3, window, layer)
             assert fast.dtype == dtype
+            # the reference reads fresh prompts' k/v as the cache gives them back
+            k, v = reference.kv_round_trip(k, kc[layer].dtype), reference.kv_round_trip(v, vc[layer].dtype)
             f32 = [t.float() for t in (q, k, v, kc[layer], vc[layer])]
             ref = reference.paged_attention(*f32, meta_ref, 0.3, window)
             torch.testing.assert_close(fast.float(), ref, **tol)

@@ -233,6 +233,42 @@ def test_store_kv_from_strided_views_skips_padding(kvh, head_dim):
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
 
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_into_an_fp8_cache_rounds_and_saturates_as_the_twin(cache_dtype, dtype):
+    """kv_cache_dtype fp8*: the stored bytes equal the twin's (nearest 8-bit value, saturating at
+    the largest finite one; K/V scaled so that some pass e4m3's 448 and e5m2's 57,344)."""
+    T, nb, bs, kvh, d = 9, 4, 16, 2, 64
+    k = rand(T, kvh, d, dtype=dtype, scale=200.0)
+    v = rand(T, kvh, d, dtype=dtype, scale=3e4 if dtype != torch.float16 else 1e4)
+    k[0, 0, 0], v[1, 1, 1] = 6e4, -6e4
+    slots = torch.randperm(nb * bs, device=DEVICE)[:T]
+    kc, vc = torch.zeros(nb, bs, kvh, d, dtype=cache_dtype, device=DEVICE), torch.zeros(nb, bs, kvh, d, dtype=cache_dtype, device=DEVICE)
+    kc2, vc2 = kc.clone(), vc.clone()
+    triton_ops.store_kv(k, v, kc, vc, slots)
+    reference.store_kv(k, v, kc2, vc2, slots)
+    assert_same_fp8(kc, kc2)
+    assert_same_fp8(vc, vc2)
+    big = torch.finfo(cache_dtype).max
+    got = kc.float().view(-1, kvh, d)[slots]
+    assert torch.isfinite(got).all() and float(got.abs().max()) == big  # saturated, not inf/NaN
+    assert rel_err(got, k.float().clamp(-big, big)) < 0.1  # 8-bit rounding: 2-3 mantissa bits
+
+
+def assert_same_fp8(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit-equal 8-bit values on a GPU (its hardware conversion rounds to nearest even, as torch
+    does). Triton's interpreter converts to 8-bit floats without carrying a rounding into the
+    exponent (124.5 -> 64, not 128) and without subnormal results, so on the CPU the values are
+    compared with the error that leaves (~1 in 50 values off, by up to half)."""
+    if GPU:
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    else:
+        assert rel_err(got.float(), want.float()) < 0.15
+
+
 # ---- paged attention -------------------------------------------------------------------------
 def make_step(rng: random.Random, seqs: list[tuple[int, int]], heads: int, kvh: int, head_dim: int, bs: int,
               dtype) -> tuple:  # fmt: skip
@@ -304,6 +340,24 @@ def test_paged_attention_half_precision_and_block_sizes(dtype, bs):
     want = reference.paged_attention(q.float(), k.float(), v.float(), kc.float(), vc.float(), fresh(meta), 0.125)
     got = triton_attention.paged_attention(q, k, v, kc, vc, fresh(meta), 0.125)
     assert got.dtype == dtype and rel_err(got, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if not GPU else DTYPES)
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+def test_paged_attention_over_an_fp8_cache_matches_twin(cache_dtype, dtype, batch):
+    """An 8-bit cache (this step's K/V stored in it, as the decoder does): the kernel converts what it
+    reads to q's dtype; the twin reads the same values (fresh prompts: k/v rounded through the cache)."""
+    rng = random.Random(str((batch, str(cache_dtype), str(dtype))))
+    q, _, _, kc, vc, meta = make_step(rng, BATCHES[batch], 6, 2, 64, 16, dtype)
+    kc8, vc8 = reference.to_kv_cache(kc, cache_dtype), reference.to_kv_cache(vc, cache_dtype)
+    k = kc8.to(dtype).view(-1, 2, 64)[meta.slot_mapping]
+    v = vc8.to(dtype).view(-1, 2, 64)[meta.slot_mapping]
+    want = reference.paged_attention(q, k, v, kc8, vc8, fresh(meta), 0.125)
+    # the twin over an 8-bit cache = the twin over a cache in q's dtype holding the 8-bit values
+    assert torch.equal(want, reference.paged_attention(q, k, v, kc8.to(dtype), vc8.to(dtype), fresh(meta), 0.125))
+    got = triton_attention.paged_attention(q, k, v, kc8, vc8, fresh(meta), 0.125)
+    assert got.dtype == dtype and rel_err(got, want) < (1e-4 if dtype == torch.float32 else TOL[dtype])
 
 
 @pytest.mark.parametrize("splits", [2, 4, 16])
@@ -390,6 +444,25 @@ def test_qkv_prepare_fused_norm_rope_store(dtype, norm, neox, nq, nkv, head_dim,
     assert rel_err(q[keep], rq) < TOL[dtype] and rel_err(k[keep], rk) < TOL[dtype]
     assert torch.equal(v[keep], rv)
     assert rel_err(kc, kc2) < TOL[dtype] and torch.equal(vc, vc2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if GPU else [torch.bfloat16])
+def test_qkv_prepare_into_an_fp8_cache(dtype):
+    """The fused store rounds to the 8-bit cache as the twin does: V bit-equal; K after norm and
+    RoPE, whose last-bit differences may move a value to the next 8-bit step."""
+    T, nb, bs, nq, nkv, d = 13, 5, 16, 4, 2, 64
+    table = _table(d, 200, llama3=False)
+    positions = torch.tensor(random.Random(3).sample(range(200), T), device=DEVICE)
+    qkv = rand(T, nq + 2 * nkv, d, dtype=dtype, scale=300.0)
+    qn, kn = rand(d, dtype=dtype), rand(d, dtype=dtype)
+    slots = torch.randperm(nb * bs, device=DEVICE)[:T]
+    kc = torch.zeros(nb, bs, nkv, d, dtype=torch.float8_e4m3fn, device=DEVICE)
+    vc, kc2, vc2 = kc.clone(), kc.clone(), kc.clone()
+    reference.qkv_prepare(qkv.clone(), nq, qn, kn, 1e-6, reference.rope_cos_sin(table, positions, dtype), kc2, vc2, slots)
+    triton_ops.qkv_prepare(qkv.clone(), nq, qn, kn, 1e-6, triton_ops.rope_cos_sin(table, positions, dtype), kc, vc, slots)
+    assert_same_fp8(vc, vc2)
+    assert float(vc2.float().abs().max()) == 448.0  # V at scale 300 saturates
+    assert rel_err(kc.float(), kc2.float()) < (0.05 if GPU else 0.15)  # bf16 last-bit differences (TOL) can move a value one 8-bit step
 
 
 def test_gemv_program_shape_takes_whole_rows_up_to_the_one_tile_limit():
