@@ -111,7 +111,7 @@ def decode_attention(batch: int, ctx: int, h: int, kvh: int, d: int, cache_dtype
     kc = torch.randn(nblocks, 16, kvh, d, device=DEV, dtype=BF16).to(cache_dtype)
     vc = torch.randn(nblocks, 16, kvh, d, device=DEV, dtype=BF16).to(cache_dtype)
     q = torch.randn(batch, h, d, device=DEV, dtype=BF16)
-    plan = triton_attention.prepare(meta, h, kvh, DEV)
+    plan = triton_attention.prepare(meta, h, kvh, DEV, kc.element_size())
     return plan, lambda: triton_attention.paged_attention(q, None, None, kc, vc, meta, d**-0.5, None, 0)
 
 
@@ -169,7 +169,7 @@ def attention_varied(cache_dtype=BF16) -> None:
         kc = torch.randn(blocks, bs, kvh, d, device=DEV, dtype=BF16).to(cache_dtype)
         vc = torch.randn(blocks, bs, kvh, d, device=DEV, dtype=BF16).to(cache_dtype)
         q = torch.randn(batch, h, d, device=DEV, dtype=BF16)
-        plan = triton_attention.prepare(meta, h, kvh, DEV)
+        plan = triton_attention.prepare(meta, h, kvh, DEV, kc.element_size())
         floor, chosen = 2 * cache_dtype.itemsize * int(lens.sum()) * kvh * d / bw * 1e6, plan["splits"]
         for splits in (1, 2, 4, 8):
             plan["splits"] = splits

@@ -399,6 +399,18 @@ def test_num_splits_for_fills_the_device_within_its_caps(monkeypatch):
     assert f(8, 8, 8192, 132, True) == 8  # 64 programs: x8 reaches 2 per unit
 
 
+def test_decode_tiles_over_an_8bit_cache_read_as_many_bytes_per_trip(monkeypatch):
+    """An 8-bit cache's decode tiles take 128 positions per loop trip (the bytes of 64 in bf16);
+    mixed steps and 16-bit caches keep 64."""
+    monkeypatch.setattr(triton_attention, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(triton_attention, "compute_units", lambda device: 132)
+    plan = triton_attention.tile_plan
+    dev = torch.device("cuda")
+    assert plan(16, 8, True, 64, 2048, dev, kv_itemsize=1)["block_n"] == 128
+    assert plan(16, 8, True, 64, 2048, dev)["block_n"] == 64
+    assert plan(16, 8, False, 64, 2048, dev, kv_itemsize=1)["block_n"] == 64
+
+
 @pytest.mark.parametrize("heads,kvh", [(16, 8), (32, 8), (8, 8), (12, 4)])
 def test_tile_shape_pads_decode_tiles_only_where_the_backend_needs_it(heads, kvh):
     """Decode tiles hold one token's heads; on Intel XPU they are padded to tl.dot's 16 rows; mixed
