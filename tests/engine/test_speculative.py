@@ -298,12 +298,17 @@ def _mixed_prompts():
     return prompts, params
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_self", "draft_random", "ngram_async", "draft_random_async"])
+@pytest.mark.parametrize("method", ["ngram", "draft_self", "draft_random", "ngram_async", "draft_random_async",
+                                    "draft_self_fp8"])  # fmt: skip
 def test_greedy_output_unchanged_in_mixed_batches(llama_dir, random_draft, method):
     """Speculating requests beside others in prefill (a small token budget chunks the prompts); with
-    overlapped steps too, which speculate on the steps where requests are due to (engine.step)."""
+    overlapped steps too, which speculate on the steps where requests are due to (engine.step).
+    _fp8: target and draft over 8-bit KV caches (the draft's cache follows the target's)."""
     prompts, params = _mixed_prompts()
     kw = dict(max_num_batched_tokens=48, max_num_seqs=6)
+    if method.endswith("_fp8"):
+        method = method.removesuffix("_fp8")
+        kw["kv_cache_dtype"] = "fp8"
     base = LLM(str(llama_dir), **kw).generate(prompts, params, use_tqdm=False)
     if method.endswith("_async"):
         method = method.removesuffix("_async")
@@ -311,6 +316,8 @@ def test_greedy_output_unchanged_in_mixed_batches(llama_dir, random_draft, metho
     spec = {"ngram": NGRAM, "draft_self": {"model": str(llama_dir), "num_speculative_tokens": 3},
             "draft_random": {"model": str(random_draft), "num_speculative_tokens": 3}}[method]  # fmt: skip
     llm = LLM(str(llama_dir), speculative_config=spec, **kw)
+    if "kv_cache_dtype" in kw:
+        assert llm.llm_engine.proposer.runner.kv.dtype == llm.llm_engine.runner.kv.dtype == torch.float8_e4m3fn
     out = llm.generate(prompts, params, use_tqdm=False)
     assert _tokens(out) == _tokens(base)
     m = llm.get_metrics()
