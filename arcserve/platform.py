@@ -117,14 +117,25 @@ def triton_min_dot_rows(device: torch.device) -> int:
     return 16 if device.type == "xpu" else 1
 
 
-def fp8_kv_cache_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why an 8-bit float KV cache of `dtype` cannot run on `device`, or None when it can. NVIDIA
-    GPUs convert float8 e4m3 in hardware from compute capability 8.9 (Ada, Hopper), where Triton
-    supports it; e5m2 also on older ones. On the CPU, torch converts both."""
+def fp8_kv_cache_unsupported(device: torch.device, dtype: torch.dtype, triton: bool) -> str | None:
+    """Why an 8-bit float KV cache of `dtype` cannot run on `device` (through the Triton kernels
+    when `triton`), or None when it can. torch converts both formats everywhere. NVIDIA GPUs
+    convert float8 e4m3 in hardware from compute capability 8.9 (Ada, Hopper), where Triton
+    supports it; e5m2 also on older ones. ROCm builds are refused (untested; AMD's float8 formats
+    differ). Triton's CPU interpreter rounds float8 wrongly (no carry into the exponent, 124.5 ->
+    64; no subnormals), so it is refused there."""
+    if device.type == "cuda" and torch.version.hip:
+        return "8-bit KV caches are not supported on ROCm builds of torch (untested)"
+    if not triton:
+        return None
+    if device.type == "cpu":
+        return ("Triton's interpreter converts float8 values incorrectly (no rounding carry, no subnormals); "
+                "use kernels='torch', the CPU's default")  # fmt: skip
     if device.type == "cuda" and dtype == torch.float8_e4m3fn:
         cap = torch.cuda.get_device_capability(device)
         if cap < (8, 9):
-            return f"float8 e4m3 needs compute capability 8.9 or newer; this GPU has {cap[0]}.{cap[1]} (fp8_e5m2 runs here)"
+            return (f"float8 e4m3 in the Triton kernels needs compute capability 8.9 or newer; this GPU has "
+                    f"{cap[0]}.{cap[1]} (fp8_e5m2, or kernels='torch', runs here)")  # fmt: skip
     return None
 
 

@@ -385,6 +385,8 @@ def gemv_sweep(grid: bool) -> None:
 def main() -> None:
     if sys.argv[1:] in (["gemv-grid"], ["gemv-candidates"]):
         return gemv_sweep(grid=sys.argv[1] == "gemv-grid")
+    if sys.argv[2:] not in ([], ["fp8"]):
+        sys.exit(f"unknown option {' '.join(sys.argv[2:])!r}: the attention benchmarks take fp8 (an 8-bit cache) or nothing")
     cache = torch.float8_e4m3fn if sys.argv[2:] == ["fp8"] else BF16
     if sys.argv[1:2] == ["attention-sweep"]:
         return attention_sweep(cache)

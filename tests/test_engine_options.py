@@ -65,7 +65,8 @@ def test_cpu_default_budget_is_shared_with_the_decode_mirror(llama_dir, monkeypa
     half, no more than it can use (max_num_seqs rows of max_model_len tokens) and never so much that
     one max_model_len sequence no longer fits the paged cache; its arena is written at startup (torch's
     allocator, not a lazily mapped region), so no growth maps fresh pages mid-run. A budget given by
-    the user is the paged cache's alone, and the mirror maps its pages as it grows."""
+    the user is the paged cache's alone, and the mirror maps its pages as it grows. With an 8-bit
+    paged cache, both still hold as many tokens."""
     from arcserve.engine import kv_budget
     from arcserve.engine.runner import kv_cache_bytes_per_block
 
@@ -97,6 +98,17 @@ def test_cpu_default_budget_is_shared_with_the_decode_mirror(llama_dir, monkeypa
     eng, per_block, mirror, arena = start(one_seq * 3 // 2, max_model_len=256, max_num_seqs=64)
     assert eng.kv.pool.num_blocks == 256 // eng.args.block_size and arena == one_seq * 3 // 2 - one_seq
 
+    # an 8-bit paged cache beside the float32 mirror of this float32 model: shares that hold as many
+    # tokens each (4 bytes a value in the mirror, 1 in the cache: the mirror 4/5 of the budget)
+    eng8, per8, _, arena8 = start(budget, max_model_len=256, max_num_seqs=64, kv_cache_dtype="fp8")
+    share = budget * 4 // 5
+    assert share - 16 < arena8 <= share  # (the arena rounds to whole K/V elements of every layer)
+    assert eng8.kv.pool.num_blocks == (budget - share) // per8 and per8 * 4 == per_block
+
     own = LLM(model=str(llama_dir), device="cpu", max_model_len=256, max_num_seqs=64, kv_cache_memory_bytes=budget)
     assert own.llm_engine.kv.pool.num_blocks == budget // per_block
     assert own.llm_engine.runner.decode_mirror.arena is None  # made, lazily mapped, at its first growth
+    # a budget given by the user: the mirror may take the paged cache's tokens in the model's dtype
+    own8 = LLM(model=str(llama_dir), device="cpu", max_model_len=256, max_num_seqs=64, kv_cache_memory_bytes=budget,
+               kv_cache_dtype="fp8")  # fmt: skip
+    assert own8.llm_engine.runner.decode_mirror.max_bytes == 4 * own8.llm_engine.runner.kv.numel()

@@ -52,7 +52,7 @@ class LLMEngine(InputProcessor):
 
         t0 = time.time()
         ops = get_ops(args.kernels, self.device, compiled=not args.enforce_eager)
-        kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device)
+        kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device, ops.name)
         self.model = load_model(cfg, self.dtype, self.device, ops, self.max_model_len, args.load_format, args.seed)
         self.model.kv_cache_dtype = kv_dtype
         logger.info(

@@ -37,14 +37,20 @@ def plan_kv_cache(args: EngineArgs, model: DecoderModel, draft_model: DecoderMod
             budget = min(CPU_KV_DEFAULT, int(free * 0.3))
             mirror = model.ops.make_decode_mirror
             if mirror is not None:
-                # Up to half for the decode mirror, written at startup like the paged cache: the
+                # A share for the decode mirror, written at startup like the paged cache: the
                 # 64-request benchmark took 248,605 page faults mid-run without, 34,810 with, and ran
-                # 4% faster on a 2-vCPU VM (docs/BENCHMARKS.md). No more than the mirror can use,
-                # and never so much that one max_model_len sequence no longer fits the paged cache.
+                # 4% faster on a 2-vCPU VM (docs/BENCHMARKS.md). The share lets both hold as many
+                # tokens (half the budget when they store a token in as many bytes; two thirds for
+                # an 8-bit paged cache beside a bf16 mirror). No more than the mirror can use, and
+                # never so much that one max_model_len sequence no longer fits the paged cache.
                 cfg = model.cfg
                 most = mirror.largest_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype,
                                             a.max_num_seqs, max_model_len)  # fmt: skip
-                mirror_bytes = max(0, min(budget - budget // 2, most, budget - seq_blocks * per_block))
+                # bytes of 128 tokens (the mirror's growth grain) in the mirror and in the paged cache
+                m = mirror.largest_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, 1, 128)
+                c = kv_cache_bytes_per_block(model, 128)
+                share = budget * m // (m + c)
+                mirror_bytes = max(0, min(share, most, budget - seq_blocks * per_block))
                 budget -= mirror_bytes
         num_blocks = max(0, budget) // per_block
         if a.kv_cache_memory_bytes is None:  # no use for more than every sequence at full length

@@ -93,15 +93,16 @@ class StepHandle:
 FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
-def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device, kernels: str) -> torch.dtype:
     """The KV cache's element type for EngineArgs.kv_cache_dtype: auto = the model's dtype; fp8
     (= fp8_e4m3) and fp8_e5m2 = 8-bit floats with a scale of 1.0 (vLLM's default without
     calibrated scales): K/V are rounded to the nearest 8-bit value and saturate at its largest
-    finite one (448 for e4m3, 57,344 for e5m2). Raises ValueError where the device cannot run it."""
+    finite one (448 for e4m3, 57,344 for e5m2). kernels: the resolved kernel set ("torch" or
+    "triton"). Raises ValueError where the device (or kernel set) cannot run it."""
     if name == "auto":
         return model_dtype
     dtype = FP8_KV_DTYPES[name]
-    why = fp8_kv_cache_unsupported(device, dtype)
+    why = fp8_kv_cache_unsupported(device, dtype, kernels == "triton")
     if why:
         raise ValueError(f"kv_cache_dtype={name!r} cannot run on {device}: {why}")
     return dtype
@@ -192,7 +193,8 @@ class ModelRunner:
         if model.ops.make_decode_mirror is not None:
             budget = mirror_bytes
             if budget is None:
-                budget = min(self.kv.numel() * self.kv.element_size(), memory_info(self.device)[0] // 4)
+                # room for the paged cache's tokens in the model's dtype (an 8-bit cache's twice its bytes)
+                budget = min(self.kv.numel() * model.dtype.itemsize, memory_info(self.device)[0] // 4)
             self.decode_mirror = model.ops.make_decode_mirror(
                 cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, self.device, budget,
                 max_rows=max_num_seqs, max_len=self.max_model_len, prefault=mirror_bytes is not None,

@@ -474,6 +474,8 @@ def test_qkv_prepare_into_an_fp8_cache(dtype):
     triton_ops.qkv_prepare(qkv.clone(), nq, qn, kn, 1e-6, triton_ops.rope_cos_sin(table, positions, dtype), kc, vc, slots)
     assert_same_fp8(vc, vc2)
     assert float(vc2.float().abs().max()) == 448.0  # V at scale 300 saturates
+    if GPU:  # (the interpreter's float8 conversion is off, see assert_same_fp8)
+        assert float(vc.float().abs().max()) == 448.0
     assert rel_err(kc.float(), kc2.float()) < (0.05 if GPU else 0.15)  # bf16 last-bit differences (TOL) can move a value one 8-bit step
 
 

@@ -13,11 +13,18 @@ from conftest import DEVICE
 from test_oracle import SETTINGS, prompts_with_shared_prefix, run
 
 from arcserve import LLM, SamplingParams
+from arcserve.kernels import cpu_attention
+from arcserve.platform import fp8_kv_cache_unsupported
+
+CASES = [("llama", False), ("qwen3", False)] + ([("llama", True)] if DEVICE.type == "cpu" else [])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch,mirror", CASES)
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
-def test_every_cache_path_reads_the_same_rounded_values(tiny_dirs, arch, kv_cache_dtype):
+def test_every_cache_path_reads_the_same_rounded_values(tiny_dirs, arch, mirror, kv_cache_dtype, monkeypatch):
+    """mirror: the CPU's decode mirror serves every decode (it would from ~1,024 context tokens)."""
+    if mirror:
+        monkeypatch.setattr(cpu_attention, "MIN_MIRROR_CONTEXT", 1)
     prompts = prompts_with_shared_prefix(3)
     want = None
     for setting, kw in SETTINGS.items():
@@ -25,6 +32,8 @@ def test_every_cache_path_reads_the_same_rounded_values(tiny_dirs, arch, kv_cach
         eng = llm.llm_engine
         assert eng.runner.kv.dtype == {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]
         first = run(llm, prompts)
+        if DEVICE.type == "cpu" and setting != "preempt":  # (there, 112 tokens: too few for a mirror row)
+            assert (eng.runner.decode_mirror.k is not None) == mirror  # laid out at its first use
         want = want or first
         assert first == want, setting
         hits = eng.scheduler.kv.prefix_hits
@@ -32,6 +41,22 @@ def test_every_cache_path_reads_the_same_rounded_values(tiny_dirs, arch, kv_cach
         assert eng.scheduler.kv.prefix_hits > hits
         if setting == "preempt":
             assert eng.scheduler.num_preemptions > 0
+
+
+def test_where_an_8bit_cache_cannot_run_it_is_refused_with_the_reason(llama_dir, monkeypatch):
+    cuda, e4m3, e5m2 = torch.device("cuda"), torch.float8_e4m3fn, torch.float8_e5m2
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "8.9 or newer; this GPU has 8.0" in fp8_kv_cache_unsupported(cuda, e4m3, True)
+    assert fp8_kv_cache_unsupported(cuda, e5m2, True) is None  # e5m2 converts on older GPUs
+    assert fp8_kv_cache_unsupported(cuda, e4m3, False) is None  # torch converts it
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fp8_kv_cache_unsupported(cuda, e4m3, True) is None
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert "ROCm" in fp8_kv_cache_unsupported(cuda, e5m2, False)
+    monkeypatch.setattr(torch.version, "hip", None)
+    if DEVICE.type == "cpu":  # Triton's interpreter rounds float8 wrongly: refused, nothing started
+        with pytest.raises(ValueError, match="kv_cache_dtype='fp8' cannot run on cpu: Triton's interpreter"):
+            LLM(str(llama_dir), kernels="triton", kv_cache_dtype="fp8")
 
 
 def test_fp8_cache_holds_twice_the_tokens_of_bf16(llama_dir, caplog):
