@@ -210,6 +210,10 @@ def store_kv(
 ) -> None:
     """Write each token's K/V to its slot (block * block_size + offset) in the paged cache."""
     nb, bs = k_cache.shape[:2]
+    if k_cache.dtype == k.dtype:  # (the common case without the 8-bit detour: one-token steps count every call)
+        k_cache.view(nb * bs, *k_cache.shape[2:]).index_copy_(0, slots, k)
+        v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(0, slots, v)
+        return
     for x, cache in ((k, k_cache), (v, v_cache)):
         _as_bytes(cache).view(nb * bs, *cache.shape[2:]).index_copy_(0, slots, _as_bytes(to_kv_cache(x, cache.dtype)))
 
@@ -289,8 +293,11 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype | None
     """[..., nblk] block ids -> [..., kv_heads, nblk * block_size, head_dim], in `dtype` (default:
     the cache's). index_select copies whole blocks and is ~4x faster on CPU than advanced indexing."""
     _, bs, kvh, hd = cache.shape
-    g = _as_bytes(cache).index_select(0, blocks.reshape(-1)).view(cache.dtype)
-    if dtype is not None:
+    if cache.dtype.itemsize == 1:
+        g = _as_bytes(cache).index_select(0, blocks.reshape(-1)).view(cache.dtype)
+    else:
+        g = cache.index_select(0, blocks.reshape(-1))
+    if dtype is not None and dtype != g.dtype:
         g = g.to(dtype)
     return g.view(*blocks.shape[:-1], blocks.shape[-1] * bs, kvh, hd).transpose(-3, -2)
 
