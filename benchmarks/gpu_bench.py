@@ -31,6 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from model_shapes import make_shape_dirs  # noqa: E402
 
+from arcserve.config import KV_CACHE_DTYPES  # noqa: E402
+
 
 def engine(a, model: Path, **kw):
     if a.engine == "vllm":
@@ -277,7 +279,7 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--async-scheduling", choices=["on", "off"], default=None,
                    help="overlapped steps (default: the engine's own default, on for GPUs)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="the KV cache's element type (both engines take vLLM's names)")
     p.add_argument("--models", default="/tmp/arcserve-shapes")
     p.add_argument("--out", default=None, help="append the JSON result lines to this file")

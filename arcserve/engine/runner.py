@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from arcserve.config import KV_CACHE_DTYPES
 from arcserve.engine.sampler import Sampler
 from arcserve.engine.scheduler import SchedulerOutput
 from arcserve.engine.step_graphs import StepGraphs, feed_tokens
@@ -90,18 +91,15 @@ class StepHandle:
         return result
 
 
-FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-
-
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device, kernels: str) -> torch.dtype:
     """The KV cache's element type for EngineArgs.kv_cache_dtype: auto = the model's dtype; fp8
     (= fp8_e4m3) and fp8_e5m2 = 8-bit floats with a scale of 1.0 (vLLM's default without
     calibrated scales): K/V are rounded to the nearest 8-bit value and saturate at its largest
     finite one (448 for e4m3, 57,344 for e5m2). kernels: the resolved kernel set ("torch" or
     "triton"). Raises ValueError where the device (or kernel set) cannot run it."""
-    if name == "auto":
+    if KV_CACHE_DTYPES[name] is None:
         return model_dtype
-    dtype = FP8_KV_DTYPES[name]
+    dtype = getattr(torch, KV_CACHE_DTYPES[name])
     why = fp8_kv_cache_unsupported(device, dtype, kernels == "triton")
     if why:
         raise ValueError(f"kv_cache_dtype={name!r} cannot run on {device}: {why}")
