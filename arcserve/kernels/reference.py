@@ -201,8 +201,9 @@ def kv_round_trip(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """An 8-bit float cache indexed as bytes: torch has no float8 index_copy_/index_select on the CPU."""
-    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+    """An 8-bit float cache indexed as bytes (torch has no float8 index_copy_/index_select on the
+    CPU); any other tensor itself."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
 
 
 def store_kv(
@@ -210,12 +211,11 @@ def store_kv(
 ) -> None:
     """Write each token's K/V to its slot (block * block_size + offset) in the paged cache."""
     nb, bs = k_cache.shape[:2]
-    if k_cache.dtype == k.dtype:  # (the common case without the 8-bit detour: one-token steps count every call)
-        k_cache.view(nb * bs, *k_cache.shape[2:]).index_copy_(0, slots, k)
-        v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(0, slots, v)
-        return
-    for x, cache in ((k, k_cache), (v, v_cache)):
-        _as_bytes(cache).view(nb * bs, *cache.shape[2:]).index_copy_(0, slots, _as_bytes(to_kv_cache(x, cache.dtype)))
+    kc, vc = _as_bytes(k_cache), _as_bytes(v_cache)
+    if kc is not k_cache:  # an 8-bit cache: the rounded values, as bytes
+        k, v = _as_bytes(to_kv_cache(k, k_cache.dtype)), _as_bytes(to_kv_cache(v, v_cache.dtype))
+    kc.view(nb * bs, *kc.shape[2:]).index_copy_(0, slots, k)
+    vc.view(nb * bs, *vc.shape[2:]).index_copy_(0, slots, v)
 
 
 def qkv_prepare(qkv: torch.Tensor, num_q: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
@@ -293,10 +293,10 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype | None
     """[..., nblk] block ids -> [..., kv_heads, nblk * block_size, head_dim], in `dtype` (default:
     the cache's). index_select copies whole blocks and is ~4x faster on CPU than advanced indexing."""
     _, bs, kvh, hd = cache.shape
-    if cache.dtype.itemsize == 1:
-        g = _as_bytes(cache).index_select(0, blocks.reshape(-1)).view(cache.dtype)
-    else:
-        g = cache.index_select(0, blocks.reshape(-1))
+    src = _as_bytes(cache)
+    g = src.index_select(0, blocks.reshape(-1))
+    if src is not cache:
+        g = g.view(cache.dtype)
     if dtype is not None and dtype != g.dtype:
         g = g.to(dtype)
     return g.view(*blocks.shape[:-1], blocks.shape[-1] * bs, kvh, hd).transpose(-3, -2)
