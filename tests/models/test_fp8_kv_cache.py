@@ -72,12 +72,10 @@ def test_fp8_cache_holds_twice_the_tokens_of_bf16(llama_dir, caplog):
     assert "KV cache in float8_e4m3fn" in caplog.text
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="the real model is converted for the CPU test run")
-@pytest.mark.parametrize("kv_cache_dtype,least", [("fp8", 0.92), ("fp8_e5m2", 0.88)])
-def test_real_model_keeps_its_choices(smollm2_dir, kv_cache_dtype, least):
-    """SmolLM2-135M in float32 with an 8-bit cache, fed its own full-precision greedy answers (teacher
-    forcing, through prompt_logprobs): the most likely next token is the full-precision one on at
-    least `least` of the answer positions (measured: see docs/BENCHMARKS.md)."""
+@pytest.fixture(scope="module")
+def full_precision_answers(smollm2_dir):
+    """SmolLM2-135M's greedy answers (64 tokens) to six chat questions with a float32 cache, as
+    (prompt ids, answer ids) pairs: made once for both 8-bit formats."""
     full = LLM(str(smollm2_dir), dtype="float32", max_model_len=1024)
     tok = full.get_tokenizer()
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "Why is the sky blue?",
@@ -85,8 +83,16 @@ def test_real_model_keeps_its_choices(smollm2_dir, kv_cache_dtype, least):
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
                for q in questions]  # fmt: skip
     answers = full.generate(prompts, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
-    seqs = [(list(a.prompt_token_ids), list(a.outputs[0].token_ids)) for a in answers]
-    del full
+    return [(list(a.prompt_token_ids), list(a.outputs[0].token_ids)) for a in answers]
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the real model is converted for the CPU test run")
+@pytest.mark.parametrize("kv_cache_dtype,least", [("fp8", 0.92), ("fp8_e5m2", 0.88)])
+def test_real_model_keeps_its_choices(smollm2_dir, full_precision_answers, kv_cache_dtype, least):
+    """SmolLM2-135M in float32 with an 8-bit cache, fed its own full-precision greedy answers (teacher
+    forcing, through prompt_logprobs): the most likely next token is the full-precision one on at
+    least `least` of the answer positions (measured: see docs/BENCHMARKS.md)."""
+    seqs = full_precision_answers
     small = LLM(str(smollm2_dir), dtype="float32", max_model_len=1024, kv_cache_dtype=kv_cache_dtype)
     outs = small.generate([{"prompt_token_ids": p + a} for p, a in seqs],
                           SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)  # fmt: skip
