@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -92,8 +93,8 @@ class SamplingParams:
             raise bad("presence_penalty", "in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", "in [-2, 2]")
-        if not 0 < self.repetition_penalty <= 2:
-            raise bad("repetition_penalty", "in (0, 2]")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise bad("repetition_penalty", "a finite number > 0")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad("max_tokens", "an integer >= 1 (or None for up to max_model_len)")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
@@ -112,6 +113,8 @@ class SamplingParams:
             raise bad("seed", f"an integer in [-2**63, 2**63 - n] (n = {self.n})")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (the text is what they are looked for in)")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
         if self.logit_bias:

@@ -65,9 +65,18 @@ def test_stop_strings_trimmed_or_included(llm):
 def test_stop_token_ids_min_tokens_ignore_eos(llm):
     base = llm.generate("Berlin", greedy(20), use_tqdm=False)[0].outputs[0].token_ids
     target = base[4]
-    out = llm.generate("Berlin", greedy(20, stop_token_ids=[target]), use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == base[: base.index(target) + 1]
-    assert out.finish_reason == "stop" and out.stop_reason == target
+    tok = llm.get_tokenizer()
+    n = base.index(target) + 1
+    for kind in (RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE):  # lazy and per-token text
+        out = llm.generate("Berlin", greedy(20, stop_token_ids=[target], output_kind=kind), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == base[:n]
+        assert out.finish_reason == "stop" and out.stop_reason == target
+        # as in vLLM: the stop token is generated (token_ids, usage) but its text stays out...
+        assert out.text == tok.decode(base[: n - 1], skip_special_tokens=True)
+        # ...unless include_stop_str_in_output
+        inc = llm.generate("Berlin", greedy(20, stop_token_ids=[target], include_stop_str_in_output=True,
+                                            output_kind=kind), use_tqdm=False)[0].outputs[0]  # fmt: skip
+        assert inc.text == tok.decode(base[:n], skip_special_tokens=True) != out.text
     # min_tokens: the stop token cannot end the sequence before min_tokens tokens.
     mt = llm.generate("Berlin", greedy(20, stop_token_ids=[target], min_tokens=10), use_tqdm=False)
     assert len(mt[0].outputs[0].token_ids) >= 10
@@ -75,6 +84,8 @@ def test_stop_token_ids_min_tokens_ignore_eos(llm):
     eos = llm.get_tokenizer().eos_token_id
     forced = greedy(6, logit_bias={eos: 100.0})
     assert llm.generate("x", forced, use_tqdm=False)[0].outputs[0].token_ids == [eos]
+    shown = greedy(6, logit_bias={eos: 100.0}, skip_special_tokens=False)
+    assert llm.generate("x", shown, use_tqdm=False)[0].outputs[0].text == ""  # EOS's text too (vLLM)
     ign = llm.generate("x", greedy(6, logit_bias={eos: 100.0}, ignore_eos=True), use_tqdm=False)[0]
     assert ign.outputs[0].token_ids == [eos] * 6 and ign.outputs[0].finish_reason == "length"
 
@@ -192,10 +203,12 @@ BAD = [
     (dict(min_p=1.5), "min_p"),
     (dict(n=0), "n"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
     (dict(presence_penalty=3.0), "presence_penalty"),
     (dict(logprobs=50), "logprobs"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens"),
     (dict(stop=[""]), "stop"),
+    (dict(stop=["x"], detokenize=False), "stop strings need detokenize"),  # never looked for otherwise
     (dict(seed=2**63), "seed"),
     (dict(seed=2**63 - 2, n=3), "seed"),  # sequence 2 would sample with seed 2**63: past int64
 ]
@@ -205,6 +218,10 @@ BAD = [
 def test_bad_sampling_params_name_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
+
+
+def test_vllm_ranges_accepted():
+    assert SamplingParams(repetition_penalty=2.5).repetition_penalty == 2.5  # vLLM: any finite value > 0
 
 
 def test_bad_prompts_leave_nothing_behind(llm):

@@ -71,7 +71,7 @@ class _Sampling(BaseModel):
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[StrictInt] | None = None

@@ -15,17 +15,20 @@ window when the text is asked for, which gives the same text at a fraction of th
 
 from __future__ import annotations
 
+import functools
+
 _CONTEXT = 5  # prompt tokens kept in front of the window
 
 
 def decoder_of(tokenizer):
-    """The tokenizer's decode(ids, skip_special_tokens=...): a fast tokenizer without clean-up
-    decodes exactly as its Rust backend does, so call that directly (~3x cheaper per call than the
-    Python wrapper); otherwise the tokenizer's own decode."""
+    """decode(ids, skip_special_tokens=...) without transformers' clean-up of spaces (as vLLM
+    decodes): the clean-up rewrites text across the window's edge (" ." -> "."), so streamed deltas
+    would lose characters and disagree with the whole text. A fast tokenizer's Rust backend is
+    called directly (it never cleans up; ~3x cheaper per call than the Python wrapper)."""
     backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+    if backend is not None:
         return backend.decode
-    return tokenizer.decode
+    return functools.partial(tokenizer.decode, clean_up_tokenization_spaces=False)
 
 
 class TokenTexts:

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from arcserve.engine.detokenizer import IncrementalDetokenizer, TokenTexts
-from arcserve.engine.request import Request
+from arcserve.engine.request import Request, RequestStatus
 from arcserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from arcserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -88,6 +88,12 @@ class OutputProcessor:
             self._decode_entries(entries)
             req.logprobs.append(entries)
         if seq.detok is None:
+            return None
+        if (
+            req.status == RequestStatus.FINISHED_STOPPED
+            and not req.params.include_stop_str_in_output
+            and (num_tokens is None or num_tokens == req.num_tokens)
+        ):  # as in vLLM, the token that stopped the sequence (EOS, stop_token_ids) stays out of the text
             return None
         # As in vLLM, stop strings (like EOS and stop_token_ids) only end a sequence after min_tokens.
         n_out = (req.num_tokens if num_tokens is None else num_tokens) - req.num_prompt_tokens

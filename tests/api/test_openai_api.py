@@ -364,7 +364,11 @@ def test_stop_token_ids(client, hf):
     c = r.choices[0]
     assert c.finish_reason == "stop" and c.model_extra["stop_reason"] == tok
     assert r.usage.completion_tokens == n
-    assert c.text == hf.tok.decode(cont[:n], skip_special_tokens=True)
+    # as in vLLM, the stop token counts as generated but its text stays out (unless asked for)
+    assert c.text == hf.tok.decode(cont[: n - 1], skip_special_tokens=True)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, **GREEDY,
+                                  extra_body={**NO_EOS, "stop_token_ids": [tok], "include_stop_str_in_output": True})  # fmt: skip
+    assert r.choices[0].text == hf.tok.decode(cont[:n], skip_special_tokens=True)
 
 
 # ---- logprobs ---------------------------------------------------------------------------------

@@ -281,3 +281,37 @@ def test_smollm2_tokenizer_round_trip(smollm2_dir):
     found, _, deltas = run_engine_like(d, out_ids)
     assert found == "🚀🎉"
     assert "".join(deltas) == d.text == out_text[: out_text.index("🚀🎉")]
+
+
+class _CleaningTokenizer:
+    """A tokenizer whose decode cleans up spaces by default (transformers' slow tokenizers, and its
+    4.x fast ones with clean_up_tokenization_spaces=True, e.g. Llama-3's): no Rust backend exposed."""
+
+    def __init__(self, fast) -> None:
+        self.fast = fast
+
+    def __len__(self) -> int:
+        return len(self.fast)
+
+    def decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=True):
+        text = self.fast.decode(ids, skip_special_tokens=skip_special_tokens)
+        if clean_up_tokenization_spaces:
+            for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" 's", "'s")):
+                text = text.replace(a, b)
+        return text
+
+
+@pytest.mark.parametrize("text", [" x != y", " Hello . world . .", " a , b ?", " the word 's end"])
+def test_no_space_clean_up(toks, text):
+    """As vLLM: text is decoded without transformers' clean-up of spaces, streamed or not (a clean-up
+    across the window's edge dropped characters from streamed text: "x != y" came out "x = y")."""
+    fast = toks["bpe"]
+    tok = _CleaningTokenizer(fast)
+    prompt = fast.encode("Q:")
+    ids = fast.encode(text, add_special_tokens=False)
+    for lazy in (False, True):
+        d = IncrementalDetokenizer(tok, prompt, lazy=lazy)
+        for t in ids:
+            d.add_token(t)
+        d.flush()
+        assert d.delta(True) == d.text == fast.decode(ids) == text
