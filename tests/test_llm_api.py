@@ -174,18 +174,23 @@ def test_engine_api_stream_and_abort(llama_dir):
     engine.add_request("a", "The quick", greedy(10, output_kind=RequestOutputKind.DELTA))
     engine.add_request("b", "Paris", greedy(50))
     engine.add_request("c", "def", greedy(10))
+    engine.add_request("d", "The quick", greedy(4, prompt_logprobs=2, output_kind=RequestOutputKind.DELTA))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("a", "again", greedy(3))
-    deltas, seen_b = [], 0
+    deltas, seen_b, plp = [], 0, []
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.request_id == "a":
                 deltas.append(out.outputs[0])
+            if out.request_id == "d":
+                plp.append(out.prompt_logprobs)
             if out.request_id == "b":
                 seen_b += 1
                 if seen_b == 3:
                     engine.abort_request("b")
     assert seen_b == 3 and engine.get_num_unfinished_requests() == 0
+    # deltas carry the prompt's logprobs once, in the first output (as vLLM's)
+    assert len(plp) == 4 and len(plp[0]) == len(engine.tokenizer.encode("The quick")) and plp[1:] == [None] * 3
     assert sum(len(d.token_ids) for d in deltas) == 10 and deltas[-1].finish_reason == "length"
     full = LLM.from_engine_args(EngineArgs(model=str(llama_dir), dtype="float32", max_model_len=128))
     ref = full.generate("The quick", greedy(10), use_tqdm=False)[0].outputs[0]

@@ -32,6 +32,7 @@ class RequestGroup:
     params: SamplingParams
     seqs: list[_Seq] = field(default_factory=list)
     finished_time: float | None = None
+    sent_prompt_logprobs: bool = False  # DELTA outputs carry them once, in the first (as vLLM's)
 
     @property
     def finished(self) -> bool:
@@ -143,6 +144,9 @@ class OutputProcessor:
             )
         if delta and not outs:
             return None
+        prompt_logprobs = group.seqs[0].req.prompt_logprobs
+        if delta:
+            prompt_logprobs, group.sent_prompt_logprobs = None if group.sent_prompt_logprobs else prompt_logprobs, True
         first = [s.req.metrics for s in group.seqs]
         metrics = RequestMetrics(
             arrival_time=first[0].arrival_time,
@@ -159,7 +163,7 @@ class OutputProcessor:
             finished=finished,
             metrics=metrics,
             num_cached_tokens=group.seqs[0].req.num_cached_tokens,
-            prompt_logprobs=group.seqs[0].req.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
