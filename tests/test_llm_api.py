@@ -375,3 +375,20 @@ def test_a_failing_step_fails_only_its_requests(llama_dir, monkeypatch):
         assert failed == []
         done += [o for o in outs if o.finished]
     assert [o.request_id for o in done] == ["c"] and len(done[0].outputs[0].token_ids) == 5
+
+
+def test_sequence_ids_of_n_collide_with_a_live_request(llama_dir):
+    """n > 1 names its sequences "0_<id>", "1_<id>", ...: a request whose id is taken that way is
+    refused before anything changes (it corrupted both requests and never finished), either way round."""
+    engine = LLMEngine(EngineArgs(model=str(llama_dir), dtype="float32", max_model_len=64))
+    engine.add_request("0_a", [5, 6, 7], greedy(4))
+    with pytest.raises(ValueError, match="sequence id '0_a' is already in use"):
+        engine.add_request("a", [5, 6, 7], SamplingParams(n=2, temperature=0, max_tokens=4))
+    engine.add_request("b", [5, 6, 7], SamplingParams(n=2, temperature=0, max_tokens=4))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("1_b", [5, 6, 7], greedy(4))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert sorted(done) == ["0_a", "b"] and len(done["b"].outputs) == 2
+    assert engine.scheduler.kv.usage() == 0.0

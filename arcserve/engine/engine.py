@@ -120,6 +120,11 @@ class LLMEngine(InputProcessor):
         group, children = prepared
         if group.request_id in self.outputs.groups:
             raise ValueError(f"request_id {group.request_id!r} is already in use")
+        for req in children:  # n > 1: the sequences' ids ("0_<id>", ...) must be free as well
+            if req.request_id in self.outputs.seq_of or req.request_id in self.scheduler.requests:
+                raise ValueError(
+                    f"request_id {group.request_id!r}: its sequence id {req.request_id!r} is already in use"
+                )
         self.outputs.add(group, children)
         for req in children:
             self.scheduler.add_request(req)
@@ -171,18 +176,20 @@ class LLMEngine(InputProcessor):
         untouched and the engine serves on. If that leaves nothing to blame, or steps fail three
         times in a row, every unfinished request fails: a fault that outlives its requests (a
         waiting request that breaks the scheduler) must not loop forever."""
-        children: set[str] = set()
+        children: list[Request] = []
         for part in self._stepping:
             if part is None:
-                children.update(r.request_id for r in self.scheduler.running)
+                children += self.scheduler.running
             elif isinstance(part, SchedulerOutput):
-                children.update(s.request.request_id for s in part.seqs)
+                children += [s.request for s in part.seqs]
             else:  # the requests drafts were proposed for
-                children.update(r.request_id for r in part)
+                children += part
         outs, self._salvage = self._salvage, []
         self._stepping, self._in_flight = [], None
         self._failures += 1
-        ids = {self.outputs.seq_of[c][0].request_id for c in children if c in self.outputs.seq_of}
+        # by the Request itself: an aborted request's id may already name a new request
+        seqs = [self.outputs.seq_of.get(r.request_id) for r in children]
+        ids = {got[0].request_id for r, got in zip(children, seqs) if got is not None and got[1].req is r}
         if not ids or self._failures >= 3:
             ids = set(self.outputs.groups)
         self.abort_request(sorted(ids))
@@ -284,10 +291,11 @@ class LLMEngine(InputProcessor):
     def _finish(self, handle: StepHandle) -> list[RequestOutput]:
         """Read a launched step's tokens (waiting for the device) and turn them into outputs."""
         result = handle.result()
-        for rid, entries in result.prompt_logprobs.items():
-            req = self.scheduler.requests.get(rid)
-            if req is not None:
-                self.outputs.on_prompt_logprobs(req, entries)
+        if result.prompt_logprobs:
+            # to the step's own requests: an id aborted since the launch may name a new request now
+            step_reqs = {s.request.request_id: s.request for s in handle.sched.seqs}
+            for rid, entries in result.prompt_logprobs.items():
+                self.outputs.on_prompt_logprobs(step_reqs[rid], entries)
         before = self._verify(handle, result.tokens) if handle.row_counts is not None else None
         got = self.scheduler.on_sampled(handle.sched, result.tokens)
         now = time.time()

@@ -188,3 +188,28 @@ def test_async_scheduling_default_follows_the_device(llama_dir):
     engine = LLMEngine(EngineArgs(model=str(llama_dir), dtype="float32", device=DEVICE.type, max_model_len=64))
     assert engine.async_scheduling is (DEVICE.type != "cpu")
     assert torch.device(DEVICE.type) == engine.device
+
+
+@pytest.mark.parametrize("new_plp", [1, None])
+def test_reused_id_while_its_step_is_in_flight(llama_dir, new_plp):
+    """A request aborted while its prompt chunk is in flight, and a new request under the same id:
+    the in-flight step's prompt logprobs belong to the old request, never to the new one (they
+    landed on it, or crashed the step when it asked for none)."""
+    engine = make_engine(llama_dir, True, num_kv_blocks=64, max_num_batched_tokens=8)
+    ref = make_engine(llama_dir, False, num_kv_blocks=64)
+    old, new = list(range(5, 45)), [7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29]
+    engine.add_request("x", {"prompt_token_ids": old}, SamplingParams(max_tokens=3, prompt_logprobs=1, temperature=0))
+    engine.step()  # its first chunk launched, still in flight
+    assert engine._in_flight is not None
+    engine.abort_request("x")
+    params = SamplingParams(max_tokens=3, prompt_logprobs=new_plp, temperature=0)
+    got = drive(engine, {0: [("x", new, params)]}, {})["x"]
+    want = drive(ref, {0: [("x", new, params)]}, {})["x"]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    if new_plp is None:
+        assert got.prompt_logprobs is None
+    else:
+        assert len(got.prompt_logprobs) == len(new) and got.prompt_logprobs[0] is None
+        assert all(t in e for e, t in zip(got.prompt_logprobs[1:], new[1:]))  # the new prompt's tokens
+        assert summary(got)[1] == summary(want)[1]
+    assert engine.scheduler.kv.usage() == 0.0
