@@ -305,15 +305,17 @@ class LLMEngine(InputProcessor):
         for req in got:
             m = req.metrics
             rid = req.request_id
-            if before is not None and rid in before:
-                stop_str = self._on_tokens(req, before[rid], logprobs.get(rid), now, itls)
+            spec_before = before.get(rid) if before is not None else None  # a speculating request
+            if m.first_token_time is None:  # (a prompt's last token can come with drafts too)
+                ttfts.append(now - m.arrival_time)
+                prompt_tokens += req.num_prompt_tokens
+                m.first_token_time = now
+            else:  # the step's tokens share its interval equally
+                new = 1 if spec_before is None else req.num_tokens - spec_before
+                itls += [(now - m.last_token_time) / new] * new
+            if spec_before is not None:
+                stop_str = self._on_tokens(req, spec_before, logprobs.get(rid))
             else:
-                if m.first_token_time is None:
-                    ttfts.append(now - m.arrival_time)
-                    prompt_tokens += req.num_prompt_tokens
-                    m.first_token_time = now
-                else:
-                    itls.append(now - m.last_token_time)
                 stop_str = self.outputs.on_token(req, req.token_ids[-1], logprobs.get(rid) if logprobs else None)
             m.last_token_time = now
             if stop_str is not None:  # a stop string wins over a length stop in the same step
@@ -336,12 +338,10 @@ class LLMEngine(InputProcessor):
                 self.outputs.remove(group.request_id)
         return outs
 
-    def _on_tokens(self, req: Request, before: int, lps: list | None, now: float, itls: list) -> str | None:
+    def _on_tokens(self, req: Request, before: int, lps: list | None) -> str | None:
         """Detokenize the tokens a speculating request got this step (each with its own row's
-        logprobs); a stop string drops the tokens after it. Their inter-token latencies share the
-        step's interval equally."""
+        logprobs); a stop string drops the tokens after it."""
         new = req.num_tokens - before
-        itls += [(now - req.metrics.last_token_time) / new] * new
         for j in range(new):
             stop_str = self.outputs.on_token(req, req.token_ids[before + j], lps[j] if lps else None, before + j + 1)
             if stop_str is not None:

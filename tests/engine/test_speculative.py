@@ -333,6 +333,22 @@ def test_greedy_output_unchanged_in_mixed_batches(llama_dir, random_draft, metho
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_self"])
+def test_first_token_with_drafts(llama_dir, method):
+    """A chunk that leaves exactly one prompt token: the request decodes next and speculates, so its
+    first token comes with drafts (that step crashed reading the request's previous token time)."""
+    prompts = [{"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6, 7]}, {"prompt_token_ids": [8, 9, 10, 8, 9, 10, 8, 9, 8]}]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kw = dict(max_num_batched_tokens=8, max_num_seqs=2)
+    base = LLM(str(llama_dir), **kw).generate(prompts, params, use_tqdm=False)
+    spec = {**NGRAM, "prompt_lookup_min": 1} if method == "ngram" else {"model": str(llama_dir), "num_speculative_tokens": 3}
+    llm = LLM(str(llama_dir), speculative_config=spec, **kw)
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == _tokens(base)
+    m = llm.get_metrics()
+    assert m["arcserve:spec_decode_num_drafts_total"] > 0
+    assert m["arcserve:time_to_first_token_seconds"]["count"] == 2
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_self"])
 def test_greedy_output_unchanged_under_preemption(llama_dir, method):
     prompts, params = _mixed_prompts()
     kw = dict(num_kv_blocks=16, block_size=8, max_model_len=128, max_num_seqs=8)
