@@ -144,7 +144,12 @@ def banned_by_bad_words(req: Request, offset: int, V: int) -> list[int]:
 def apply_top_k_top_p_min_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None
 ) -> torch.Tensor:
-    """Mask (to -inf) what falls outside each row's top-k, nucleus top-p and min-p sets."""
+    """Mask (to -inf) what falls outside each row's min-p, top-k and nucleus top-p sets, in vLLM's
+    order: min-p first (on the whole distribution), then top-k and top-p over what it kept."""
+    if min_p is not None:
+        probs = logits.softmax(dim=-1)
+        thresh = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < thresh, float("-inf"))
     if top_k is not None or top_p is not None:
         srt, order = logits.sort(dim=-1, descending=False)
         V = logits.shape[1]
@@ -157,10 +162,6 @@ def apply_top_k_top_p_min_p(
             drop[:, -1] = False
             srt = srt.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, srt)
-    if min_p is not None:
-        probs = logits.softmax(dim=-1)
-        thresh = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        logits = logits.masked_fill(probs < thresh, float("-inf"))
     return logits
 
 

@@ -118,6 +118,15 @@ def test_min_p_drops_tokens_below_fraction_of_max(min_p, support):
     assert set(got) == support
 
 
+def test_min_p_before_top_p():
+    """vLLM's order: min-p on the whole distribution, then top-p over what it kept (renormalised).
+    min_p 0.5 keeps {3, 0, 5} (0.35, 0.25, 0.2 -> 0.44, 0.31, 0.25): top_p 0.7 then needs only {3, 0}
+    (top-p first would keep {3, 0, 5}, which min-p leaves alone)."""
+    row = logits_of(_PROBS)
+    mask = apply_top_k_top_p_min_p(row[None], None, torch.tensor([0.7]), torch.tensor([0.5]))
+    assert {i for i in range(6) if torch.isfinite(mask[0, i])} == {3, 0}
+
+
 def test_filters_per_row_in_one_batch():
     """Different top_k / top_p / min_p per row of the same batch, each row gets its own."""
     row = logits_of(_PROBS)
