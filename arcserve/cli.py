@@ -10,6 +10,27 @@ import sys
 from arcserve.config import KV_CACHE_DTYPES, EngineArgs
 from arcserve.platform import DEVICE_CHOICES
 
+_SCALE = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_int(text: str) -> int:
+    """vLLM's readable integers: 4096, 4k (4,000), 4K (4,096), 25.6k, 2G (2 * 2**30)."""
+    t = text.strip()
+    try:
+        if t and t[-1] in _SCALE:
+            value = float(t[:-1]) * _SCALE[t[-1]]
+            if value != int(value):
+                raise ValueError
+            return int(value)
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r} (e.g. 4096, 4k = 4,000, 4K = 4,096)") from None
+
+
+def max_model_len_arg(text: str) -> int | None:
+    """human_int, or -1 / auto: the model's own length (the default)."""
+    return None if text.strip().lower() in ("auto", "-1") else human_int(text)
+
 
 def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
     p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default, help=help)
@@ -18,14 +39,17 @@ def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags; each maps one to one onto an EngineArgs field (dashes -> underscores)."""
     p.add_argument("model", nargs="?", default=None, help="Hugging Face model folder (default: bundled demo model)")
+    p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL", help="the model folder, as a flag")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+    p.add_argument("--max-model-len", type=max_model_len_arg, default=None,
+                   help="e.g. 4096, 4k (4,000), 4K (4,096); -1 or auto: the model's own")  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=human_int, default=None)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV cache size in blocks")
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks", type=int, default=None,
+                   help="fix the KV cache size in blocks")  # fmt: skip
+    p.add_argument("--kv-cache-memory-bytes", type=human_int, default=None, help="e.g. 4G (4 * 2**30 bytes)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="auto: the model dtype; fp8 (= fp8_e4m3) or fp8_e5m2: 8-bit floats, scale 1.0 (half the bytes of bf16)")
     _bool_flag(p, "enable-prefix-caching", True, "reuse KV blocks of shared prompt prefixes")
@@ -80,7 +104,7 @@ def _serve(ns: argparse.Namespace) -> int:
     from arcserve.models.demo import DEMO_NAME
 
     if ns.served_model_name is None:
-        ns.served_model_name = ns.model or DEMO_NAME
+        ns.served_model_name = [ns.model or DEMO_NAME]
     run_server(ns, engine_args_from(ns))
     return 0
 
@@ -92,9 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", default=None, help="model name in the API (default: MODEL_DIR)")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) the API answers to; responses name the first (default: MODEL_DIR)")  # fmt: skip
     s.add_argument("--api-key", default=None, help="require this bearer key (also ARCSERVE_API_KEY)")
-    s.add_argument("--chat-template", default=None, help="a Jinja chat template file to use")
+    s.add_argument("--chat-template", default=None, help="a Jinja chat template file, or the template itself")
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="answer 503 while this many requests are waiting")  # fmt: skip
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -130,7 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if getattr(ns, "model_flag", None) is not None:  # `--model M` as vLLM takes it too
+        if ns.model is not None and ns.model != ns.model_flag:
+            parser.error(f"two models given: {ns.model!r} and --model {ns.model_flag!r}")
+        ns.model = ns.model_flag
     logging.basicConfig(
         level=getattr(logging, ns.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

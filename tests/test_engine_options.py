@@ -60,6 +60,35 @@ def test_cli_engine_flags_map_onto_engine_args():
     assert engine_args_from(p.parse_args(["m"])).async_scheduling is None  # the device decides
 
 
+def test_cli_takes_vllms_spellings(capsys):
+    """vLLM's flag spellings: dtype half/float, readable integers (4k = 4,000, 4K = 4,096), -1 or
+    auto for the model's own length, --num-gpu-blocks-override, --model as a flag."""
+    import argparse
+
+    from arcserve.cli import add_engine_args, build_parser, engine_args_from
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    a = engine_args_from(p.parse_args(["m", "--dtype", "half", "--max-model-len", "4k", "--kv-cache-memory-bytes", "2G",
+                                       "--max-num-batched-tokens", "0.5K", "--num-gpu-blocks-override", "77"]))  # fmt: skip
+    assert (a.dtype, a.max_model_len, a.kv_cache_memory_bytes, a.max_num_batched_tokens, a.num_kv_blocks) == (
+        "half", 4000, 2 << 30, 512, 77)  # fmt: skip
+    assert engine_args_from(p.parse_args(["m", "--dtype", "float", "--max-model-len", "4K"])).max_model_len == 4096
+    for auto in ("-1", "auto"):
+        assert engine_args_from(p.parse_args(["m", "--max-model-len", auto])).max_model_len is None
+    for bad in ("4x", "1.5", "k", "0.3k5"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["m", "--max-model-len", bad])
+        assert "not an integer" in capsys.readouterr().err
+    from arcserve.cli import main
+
+    with pytest.raises(SystemExit):  # two different models
+        main(["generate", "a", "--model", "b", "--prompt", "x"])
+    assert "two models given" in capsys.readouterr().err
+    ns = build_parser().parse_args(["serve", "--model", "m", "--served-model-name", "x", "y"])
+    assert ns.model_flag == "m" and ns.model is None and ns.served_model_name == ["x", "y"]
+
+
 def test_cpu_default_budget_is_shared_with_the_decode_mirror(llama_dir, monkeypatch, caplog):
     """On the CPU the default KV budget holds the paged cache and the decode mirror: the mirror up to
     half, no more than it can use (max_num_seqs rows of max_model_len tokens) and never so much that

@@ -105,13 +105,16 @@ class BodyLimitMiddleware:
         await resp(scope, receive, send)
 
 
-def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None,
+def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str | None = None,
               chat_template: str | None = None, metrics_require_key: bool = False,
               max_body_bytes: int = MAX_BODY_BYTES, cors: dict | None = None) -> FastAPI:  # fmt: skip
-    """cors: None (no CORS headers: browsers on other origins cannot call the API) or the keyword
-    arguments of Starlette's CORSMiddleware (allow_origins, allow_methods, allow_headers,
-    allow_credentials)."""
+    """served_model_name: the name, or names, requests may give (responses and metrics carry the
+    first, as vLLM's). cors: None (no CORS headers: browsers on other origins cannot call the API)
+    or the keyword arguments of Starlette's CORSMiddleware (allow_origins, allow_methods,
+    allow_headers, allow_credentials)."""
     llm = engine.engine
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    served_model_name = names[0]
     serving = Serving(engine, served_model_name)
     registry = make_registry(llm.get_metrics, served_model_name)
     app = FastAPI(title="arcserve", version=arcserve.__version__,
@@ -180,15 +183,16 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
         return error_response(500, f"Internal error: {type(e).__name__}", code="internal_error")
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != served_model_name:
-            raise APIError(404, f"The model {name!r} does not exist; this server serves {served_model_name!r}",
+        if name is not None and name not in names:
+            served = ", ".join(repr(n) for n in names)
+            raise APIError(404, f"The model {name!r} does not exist; this server serves {served}",
                            param="model", code="model_not_found")  # fmt: skip
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
-            "id": served_model_name, "object": "model", "created": created, "owned_by": "arcserve",
-            "root": llm.args.model, "max_model_len": llm.max_model_len}]}  # fmt: skip
+            "id": n, "object": "model", "created": created, "owned_by": "arcserve",
+            "root": llm.args.model, "max_model_len": llm.max_model_len} for n in names]}  # fmt: skip
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
@@ -264,6 +268,8 @@ def read_chat_template(path: str | None) -> str | None:
         return None
     real = os.path.realpath(path)
     if not os.path.isfile(real):
+        if any(c in path for c in "{}\n"):  # the template itself (vLLM takes it so too)
+            return path
         raise FileNotFoundError(f"--chat-template {path}: no such file")
     if os.path.getsize(real) > MAX_TEMPLATE_BYTES:
         raise ValueError(f"--chat-template {path}: larger than {MAX_TEMPLATE_BYTES} bytes")
@@ -298,11 +304,12 @@ def run_server(args, engine_args) -> None:
     front = AsyncLLMProcess(engine_args, args.max_waiting_requests, threads)
     server = None
     try:
-        name = args.served_model_name or os.path.basename(os.path.normpath(engine_args.model))
+        name = args.served_model_name or [os.path.basename(os.path.normpath(engine_args.model))]
         app = build_app(front, name, api_key, template, args.metrics_require_key, args.max_request_body_bytes, cors)
         routes = sorted(f"{','.join(sorted(r.methods or []))} {r.path}" for r in app.routes if hasattr(r, "methods"))
         logger.info("Routes: %s", "; ".join(routes))
-        logger.info("Serving %s as %r on http://%s:%d (API key %s; CORS %s)", engine_args.model, name, args.host,
+        logger.info("Serving %s as %s on http://%s:%d (API key %s; CORS %s)", engine_args.model,
+                    ", ".join(repr(n) for n in name), args.host,
                     args.port, "required" if api_key else "off", "off" if cors is None else cors["allow_origins"])  # fmt: skip
         # uvicorn re-raises the signal that stopped it once it is done: a no-op handler makes
         # SIGTERM's graceful shutdown end in exit status 0.

@@ -66,11 +66,9 @@ class ModelConfig:
             if kind not in SUPPORTED_ROPE:
                 raise ValueError(f"Unsupported rope scaling {kind!r}; supported: {', '.join(SUPPORTED_ROPE)}")
             scaling = {**scaling, "rope_type": kind} if kind != "default" else None
-        window = c.get("sliding_window")
-        if family.name == "qwen2" and not c.get("use_sliding_window", False):
-            window = None
-        if family.name == "qwen3":  # Qwen3 dense models use full attention (sliding_window is unused)
-            window = None
+        act = c.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"Unsupported hidden_act {act!r}: the decoder's MLP is SiLU-gated (silu)")
         eos = c.get("eos_token_id")
         bias = bool(c.get("attention_bias", False))
         return cls(
@@ -83,7 +81,7 @@ class ModelConfig:
             num_layers=c["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            head_dim=c.get("head_dim") or (128 if family.name == "qwen3" else c["hidden_size"] // heads),
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             rope_theta=float(c.get("rope_theta") or rope.get("rope_theta") or 10000.0),
             rope_scaling=scaling,
@@ -93,7 +91,7 @@ class ModelConfig:
             qkv_bias=bias if family.qkv_bias is None else family.qkv_bias,
             o_bias=bias if family.o_bias is None else family.o_bias,
             mlp_bias=bool(c.get("mlp_bias", False)),
-            sliding_window=window,
+            sliding_window=_sliding_window(c, family.name),
             config_dtype=_DTYPES.get(str(c.get("torch_dtype") or c.get("dtype") or "float32"), torch.float32),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             bos_token_id=c.get("bos_token_id"),
@@ -132,6 +130,32 @@ class ModelConfig:
         t = torch.arange(max_pos, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float()
+
+
+def _sliding_window(c: dict, family: str) -> int | None:
+    """The attention window every layer uses, or None for full attention. transformers decides per
+    layer: `layer_types` when config.json lists them, else for Qwen2/Qwen3 `use_sliding_window`, the
+    layers from `max_window_layers` on sliding; a window of 0 or less means none (vLLM's reading).
+    Windows on some layers only are refused (as vLLM does)."""
+    window = c.get("sliding_window")
+    if not isinstance(window, int) or window <= 0:
+        return None
+    types = c.get("layer_types")
+    if types is None and family in ("qwen2", "qwen3"):
+        if not c.get("use_sliding_window", False):
+            return None
+        first = c.get("max_window_layers", 28)  # transformers' default for both
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(c["num_hidden_layers"])]
+    if types is not None:
+        sliding = [t == "sliding_attention" for t in types]
+        if not any(sliding):
+            return None
+        if not all(sliding):
+            raise ValueError(
+                f"config.json gives a sliding window ({window}) to {sum(sliding)} of {len(sliding)} layers; "
+                "arcserve runs one attention kind for all layers (a window on every layer, or on none)"
+            )
+    return window
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

@@ -37,11 +37,37 @@ def weight_files(model_dir: str) -> list[str]:
     )
 
 
-class _Weights:
-    """Name -> tensor over all shards, converted to the target dtype and device on read."""
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """Every weight the decoder reads (ours names: the checkpoint's without "model."), with its shape
+    as config.json implies it; optional biases and q/k norms only where the config has them."""
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    shapes: dict[str, tuple] = {"embed_tokens.weight": (cfg.vocab_size, h), "norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            a + "q_proj.weight": (q, h), a + "k_proj.weight": (kv, h), a + "v_proj.weight": (kv, h),
+            a + "o_proj.weight": (h, q), m + "gate_proj.weight": (inter, h), m + "up_proj.weight": (inter, h),
+            m + "down_proj.weight": (h, inter),
+            # optional (read when present; the dummy weights make those the config asks for)
+            a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,), a + "o_proj.bias": (h,),
+            m + "gate_proj.bias": (inter,), m + "up_proj.bias": (inter,), m + "down_proj.bias": (h,),
+            a + "q_norm.weight": (d,), a + "k_norm.weight": (d,),
+        })  # fmt: skip
+    return shapes
 
-    def __init__(self, files: list[str], dtype: torch.dtype, device: torch.device) -> None:
+
+class _Weights:
+    """Name -> tensor over all shards, converted to the target dtype and device on read, its shape
+    checked against config.json's."""
+
+    def __init__(self, files: list[str], dtype: torch.dtype, device: torch.device, cfg: ModelConfig) -> None:
         self.dtype, self.device = dtype, device
+        self.shapes = expected_shapes(cfg)
         self.where: dict[str, tuple] = {}  # our name -> (file handle, key in the file)
         for path in files:
             h = safe_open(path, framework="pt")
@@ -53,9 +79,16 @@ class _Weights:
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.where:
-            raise KeyError(f"weight {name!r} is missing from the checkpoint")
+            raise ValueError(f"weight {name!r} is missing from the checkpoint")
         h, key = self.where[name]
-        return h.get_tensor(key).to(device=self.device, dtype=self.dtype)
+        t = h.get_tensor(key)
+        want = self.shapes.get(name)
+        if want is not None and tuple(t.shape) != want:
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(t.shape)} but config.json implies {want} (hidden_size, "
+                "num_attention_heads, num_key_value_heads, head_dim, intermediate_size, vocab_size)"
+            )
+        return t.to(device=self.device, dtype=self.dtype)
 
     def opt(self, name: str) -> torch.Tensor | None:
         return self.get(name) if self.has(name) else None
@@ -70,29 +103,15 @@ class _DummyWeights:
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int) -> None:
         self.dtype, self.device, self.seed = dtype, device, seed
         self.gen = torch.Generator(device=device)
-        h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-        q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-        self.shapes: dict[str, tuple] = {"embed_tokens.weight": (cfg.vocab_size, h), "norm.weight": (h,)}
-        if not cfg.tie_word_embeddings:
-            self.shapes["lm_head.weight"] = (cfg.vocab_size, h)
-        for i in range(cfg.num_layers):
-            p = f"layers.{i}."
-            a, m = p + "self_attn.", p + "mlp."
-            self.shapes.update({
-                p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                a + "q_proj.weight": (q, h), a + "k_proj.weight": (kv, h), a + "v_proj.weight": (kv, h),
-                a + "o_proj.weight": (h, q), m + "gate_proj.weight": (inter, h), m + "up_proj.weight": (inter, h),
-                m + "down_proj.weight": (h, inter),
-            })  # fmt: skip
-            if cfg.qkv_bias:
-                self.shapes.update({a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)})
-            if cfg.o_bias:
-                self.shapes[a + "o_proj.bias"] = (h,)
-            if cfg.mlp_bias:
-                self.shapes.update({m + "gate_proj.bias": (inter,), m + "up_proj.bias": (inter,),
-                                    m + "down_proj.bias": (h,)})  # fmt: skip
-            if cfg.family.qk_norm:
-                self.shapes.update({a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)})
+        optional = {
+            "q_proj.bias": cfg.qkv_bias, "k_proj.bias": cfg.qkv_bias, "v_proj.bias": cfg.qkv_bias,
+            "o_proj.bias": cfg.o_bias, "gate_proj.bias": cfg.mlp_bias, "up_proj.bias": cfg.mlp_bias,
+            "down_proj.bias": cfg.mlp_bias, "q_norm.weight": cfg.family.qk_norm, "k_norm.weight": cfg.family.qk_norm,
+        }  # fmt: skip
+        self.shapes = {
+            name: shape for name, shape in expected_shapes(cfg).items()
+            if optional.get(".".join(name.split(".")[-2:]), True)
+        }  # fmt: skip
 
     def has(self, name: str) -> bool:
         return name in self.shapes
@@ -128,7 +147,7 @@ def load_model(
     if load_format == "dummy":
         w = _DummyWeights(cfg, dtype, device, seed)
     else:
-        w = _Weights(weight_files(cfg.model_dir), dtype, device)
+        w = _Weights(weight_files(cfg.model_dir), dtype, device, cfg)
     layers = []
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
@@ -150,7 +169,7 @@ def load_model(
             )
         )
         if cfg.family.qk_norm and layers[-1].q_norm is None:
-            raise KeyError(f"{cfg.architecture} needs {a}q_norm.weight, missing from the checkpoint")
+            raise ValueError(f"{cfg.architecture} needs {a}q_norm.weight, missing from the checkpoint")
     embed = w.get("embed_tokens.weight")
     lm_head = embed if cfg.tie_word_embeddings else w.get("lm_head.weight")
     pack = ops.pack_linear_weight

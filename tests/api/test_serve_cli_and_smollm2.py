@@ -7,6 +7,7 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from .helpers import cli_server, serve
 
@@ -25,6 +26,26 @@ def test_cli_serve_subprocess(llama_dir, tmp_path):
         assert httpx.get(f"{base}/metrics", timeout=10).status_code == 200
     text = log.read_text(errors="replace")
     assert proc.returncode == 0 and "Traceback" not in text, (proc.returncode, text)  # graceful SIGTERM
+
+
+def test_cli_serve_vllm_flags(llama_dir, tmp_path):
+    """vLLM's spellings: --model as a flag, several --served-model-name (responses carry the first),
+    a readable --max-model-len, an inline --chat-template."""
+    from transformers import AutoTokenizer
+
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    flags = ("--model", str(llama_dir), "--served-model-name", "main", "alias", "--max-model-len", "0.25K",
+             "--num-gpu-blocks-override", "256", "--chat-template", template, "--log-level", "warning")  # fmt: skip
+    with cli_server(llama_dir, tmp_path / "serve.log", *flags) as (_, base):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
+        models = client.models.list().data
+        assert [m.id for m in models] == ["main", "alias"] and models[0].model_extra["max_model_len"] == 256
+        r = client.chat.completions.create(model="alias", messages=[{"role": "user", "content": "hi there"}],
+                                           max_tokens=1, temperature=0)  # fmt: skip
+        assert r.model == "main"
+        assert r.usage.prompt_tokens == len(AutoTokenizer.from_pretrained(llama_dir).encode("<user>hi there"))
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="other", prompt="x", max_tokens=1)
 
 
 def test_smollm2_chat_answer(smollm2_dir):
