@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model name(s) the API answers to; responses name the first (default: MODEL_DIR)")  # fmt: skip
     s.add_argument("--api-key", default=None, help="require this bearer key (also ARCSERVE_API_KEY)")
     s.add_argument("--chat-template", default=None, help="a Jinja chat template file, or the template itself")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat_template (rendered in the Jinja sandbox)")  # fmt: skip
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="answer 503 while this many requests are waiting")  # fmt: skip
     s.add_argument("--shutdown-timeout", type=float, default=30.0,

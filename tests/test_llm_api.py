@@ -392,3 +392,10 @@ def test_sequence_ids_of_n_collide_with_a_live_request(llama_dir):
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert sorted(done) == ["0_a", "b"] and len(done["b"].outputs) == 2
     assert engine.scheduler.kv.usage() == 0.0
+
+
+def test_priority_needs_the_priority_policy(llm):
+    """A priority on a first-come-first-served engine would be ignored: refused, as vLLM does."""
+    with pytest.raises(ValueError, match="priority 2 needs scheduling_policy='priority'"):
+        llm.generate("x", greedy(2), priority=[2], use_tqdm=False)
+    assert llm.generate("x", greedy(2), priority=[0], use_tqdm=False)[0].outputs[0].token_ids

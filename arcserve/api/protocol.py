@@ -12,9 +12,17 @@ surrogates such as "\\ud800", which tokenizers and UTF-8 refuse).
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    field_validator,
+)
 
 from arcserve.sampling_params import MAX_LOGPROBS, TRUNCATION_RANGE, SamplingParams, valid_truncation
 
@@ -96,8 +104,21 @@ class _Sampling(BaseModel):
     return_tokens_as_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: room for max_tokens
 
+    @field_validator("n", "presence_penalty", "frequency_penalty", "stream", "min_tokens", "ignore_eos",
+                     "skip_special_tokens", "include_stop_str_in_output", "priority", mode="before")  # fmt: skip
+    @classmethod
+    def _null_is_default(cls, v, info):  # OpenAI's spec lets clients send null for "the default"
+        return cls.model_fields[info.field_name].default if v is None else v
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _empty_model(cls, v):  # "" names no model: the served one (as vLLM)
+        return None if v == "" else v
+
     def unsupported(self) -> tuple[str, str] | None:
         """(parameter, message) of the first field set to something arcserve cannot honour, if any."""
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options needs stream=true (as in vLLM)"
         if self.prompt_logprobs is not None and self.stream:
             return "prompt_logprobs", "prompt_logprobs are not available with stream=true (as in vLLM)"
         for name in ("use_beam_search", "logits_processors", "return_tokens_as_token_ids"):
@@ -188,11 +209,28 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # strict: true/false are no token ids
-    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False  # (before max_tokens: its check reads echo)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt scored, nothing generated (vLLM)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _null_echo(cls, v):
+        return False if v is None else v
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens_zero_needs_echo(cls, v, info):
+        if v == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens must be at least 1 (0 only with echo=true: the prompt alone, scored)")
+        return v
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the engine makes one token, which the response leaves out."""
+        return self.echo and self.max_tokens == 0
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.suffix is not None:
@@ -248,6 +286,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (history for the template)
+    tool_call_id: str | None = None  # a tool message's answer to one
 
     @field_validator("content", "name")
     @classmethod
@@ -256,23 +296,39 @@ class ChatMessage(BaseModel):
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
-        if isinstance(content, list):
-            content = "".join(p.text for p in content)
+        if isinstance(content, list):  # text parts, one per line (vLLM joins them so)
+            content = "\n".join(p.text for p in content)
         d: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             d["name"] = self.name
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:  # templates read arguments as a mapping; OpenAI sends them as JSON text (vLLM parses)
+            d["tool_calls"] = [_parsed_arguments(c) for c in self.tool_calls]
         return d
+
+
+def _parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function")
+    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+        try:
+            return {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+        except json.JSONDecodeError:
+            pass
+    return call
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # used only when the server trusts request templates (vLLM's rule)
+    echo: bool | None = False  # the last message's content in front of the answer, when it is the answer's role
     # Tool calling needs a tool-call parser, which arcserve does not have: tools are refused, not
     # silently left out of the prompt; tool_choice only as "none" or "auto" without tools.
     tools: list[dict[str, Any]] | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -31,7 +32,8 @@ async def off_loop(size: int, fn, *args):
 
 
 class Serving:
-    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str, trust_request_chat_template: bool = False) -> None:
+        self.trust_request_chat_template = trust_request_chat_template
         self.engine = engine
         self.llm = engine.engine
         self.model_name = model_name
@@ -81,7 +83,9 @@ class Serving:
                 f"{prompt_len} prompt tokens and asks for {requested} more ({prompt_len + requested}).",
                 param="max_tokens", code="context_length_exceeded",
             )  # fmt: skip
-        return requested
+        # the model's generation_config max_new_tokens caps every request, as in vLLM's server
+        cap = self.llm.generation_defaults.sampling.get("max_tokens")
+        return min((x for x in (requested, cap) if x is not None), default=None)
 
     async def _finals(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
         """Wait for every stream's final output; abort them all if the client goes away."""
@@ -144,8 +148,7 @@ class Serving:
             s = entries[tid].decoded_token or ""
             toks.append(s)
             lps.append(entries[tid].logprob)
-            top = sorted(entries.values(), key=lambda e: e.rank)[:k]
-            tops.append(_top_dict(top))
+            tops.append(_top_dict(_top_with(entries, tid, k)))
             offs.append(offset)
             offset += len(s)
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
@@ -170,7 +173,7 @@ class Serving:
         defaults = self.llm.generation_defaults.sampling
 
         def params_for(p):
-            mt = self._max_tokens(body.max_tokens, len(p["prompt_token_ids"]))
+            mt = self._max_tokens(1 if body.echo_only else body.max_tokens, len(p["prompt_token_ids"]))
             try:  # echo with logprobs and prompt_logprobs both need the prompt's logprobs
                 wanted = [x for x in (body.logprobs if body.echo else None, body.prompt_logprobs) if x is not None]
                 return body.to_sampling_params(defaults, mt, body.logprobs, max(wanted, default=None))
@@ -182,13 +185,15 @@ class Serving:
         rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.n
         if body.stream:
             return StreamingResponse(
-                self._stream_completions(streams, rid, created, n, echo, plens, _usage_mode(body), body.logprobs or 0),
+                self._stream_completions(streams, rid, created, n, echo, plens, _usage_mode(body), body.logprobs or 0,
+                                         body.echo_only),
                 media_type="text/event-stream",
             )
         outs = await self._finals(streams, raw)
         choices, completion = [], 0
         for i, out in enumerate(outs):
             for o in out.outputs:
+                o = _nothing_generated(o) if body.echo_only else o
                 completion += len(o.token_ids)
                 choices.append({
                     "index": i * n + o.index, "text": echo[i] + o.text,
@@ -215,8 +220,7 @@ class Serving:
                 tops.append(None)
             else:
                 lps.append(entries[tid].logprob)
-                top = sorted(entries.values(), key=lambda e: e.rank)[:k]
-                tops.append(_top_dict(top))
+                tops.append(_top_dict(_top_with(entries, tid, k)))
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
     @staticmethod
@@ -234,8 +238,9 @@ class Serving:
     def _prompt_text(self, p: dict) -> str:
         return p["prompt"] if p["prompt"] is not None else self.tokenizer.decode(p["prompt_token_ids"])
 
-    async def _stream_completions(self, streams, rid, created, n, echo, plens, usage_mode, k):
-        """usage_mode: None, "final" (a last chunk with the usage) or "every" (also in every chunk)."""
+    async def _stream_completions(self, streams, rid, created, n, echo, plens, usage_mode, k, echo_only=False):
+        """usage_mode: None, "final" (a last chunk with the usage) or "every" (also in every chunk).
+        echo_only: echo with max_tokens 0, the one token the engine made left out."""
         completion = 0
         per_choice: dict[int, int] = {}
         sent_echo: set[int] = set()
@@ -244,6 +249,7 @@ class Serving:
         try:
             async for i, out in self._merge(streams):
                 for o in out.outputs:
+                    o = _nothing_generated(o) if echo_only else o
                     idx = i * n + o.index
                     text = o.text
                     if echo[i] and idx not in sent_echo:
@@ -253,13 +259,14 @@ class Serving:
                     per_choice[idx] = per_choice.get(idx, 0) + len(o.token_ids)
                     # Offsets follow the tokens' own text (the streamed text is held back while a
                     # character or a possible stop string is incomplete).
-                    start = offsets.get(idx, len(echo[i]))
+                    first_echo = bool(echo[i]) and idx not in sent_lp
+                    start = 0 if first_echo else offsets.get(idx, 0)
                     lp = self._completion_logprobs(o, start, k)
                     if lp is not None:
-                        offsets[idx] = start + sum(len(t) for t in lp["tokens"])
-                        if echo[i] and idx not in sent_lp:  # first chunk: the prompt's logprobs too
+                        if first_echo:  # first chunk: the prompt's logprobs too, the tokens' offsets after them
                             sent_lp.add(idx)
                             lp = self._join_logprobs(self._prompt_part(out, k), lp)
+                        offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else start
                     yield self._sse({
                         "id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                         "choices": [{"index": idx, "text": text, "logprobs": lp, "finish_reason": o.finish_reason,
@@ -290,6 +297,11 @@ class Serving:
 
     async def chat(self, body: ChatCompletionRequest, raw: Request, chat_template: str | None):
         self._refuse_unsupported(body)
+        if body.chat_template is not None:
+            if not self.trust_request_chat_template:
+                raise APIError(400, "chat_template in a request needs a server started with "
+                               "--trust-request-chat-template (as in vLLM)", param="chat_template")  # fmt: skip
+            chat_template = body.chat_template
         requested = body.max_completion_tokens or body.max_tokens
         text, ids = self.llm.truncate_prompt(*await self.render_chat(body, chat_template, body.chat_template_kwargs),
                                              body.truncate_prompt_tokens, requested)  # fmt: skip
@@ -305,12 +317,18 @@ class Serving:
             raise bad_request(e) from e
         streams = self._start([prompt], lambda _p: params, raw, body.priority, body.stream)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        # echo (vLLM): the last message's text in front of the answer when it has the answer's role
+        # (an assistant message continued with add_generation_prompt false)
+        last = body.messages[-1].as_template_dict()
+        role = "assistant" if body.add_generation_prompt else last["role"]
+        echo = last["content"] if body.echo and last["role"] == role else ""
         if body.stream:
-            return StreamingResponse(self._stream_chat(streams, rid, created, body.n, len(ids), _usage_mode(body), k),
+            return StreamingResponse(self._stream_chat(streams, rid, created, body.n, len(ids), _usage_mode(body), k,
+                                                       echo),
                                      media_type="text/event-stream")  # fmt: skip
         (out,) = await self._finals(streams, raw)
         choices = [{
-            "index": o.index, "message": {"role": "assistant", "content": o.text},
+            "index": o.index, "message": {"role": "assistant", "content": echo + o.text},
             "logprobs": self._chat_logprobs(o, k), "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
         } for o in out.outputs]  # fmt: skip
         completion = sum(len(o.token_ids) for o in out.outputs)
@@ -318,7 +336,7 @@ class Serving:
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                              "choices": choices, "usage": self._usage([len(ids)], completion), **extra})  # fmt: skip
 
-    async def _stream_chat(self, streams, rid, created, n, plen, usage_mode, k):
+    async def _stream_chat(self, streams, rid, created, n, plen, usage_mode, k, echo=""):
         def chunk(choices, **extra):
             if usage_mode == "every" and "usage" not in extra:  # the chunk's choice's usage so far (vLLM)
                 extra["usage"] = self._usage([plen], per_choice.get(choices[0]["index"], 0) if len(choices) == 1 else 0)
@@ -328,7 +346,7 @@ class Serving:
         completion = 0
         per_choice: dict[int, int] = {}
         try:
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
                           "finish_reason": None} for i in range(n)])  # fmt: skip
             async for _i, out in self._merge(streams):
                 for o in out.outputs:
@@ -375,6 +393,18 @@ def _cancel(tasks: list[asyncio.Future], streams: list[RequestStream]) -> None:
         t.cancel()
     for s in streams:
         s.close()
+
+
+def _nothing_generated(o: CompletionOutput) -> CompletionOutput:
+    """The output without its tokens (echo with max_tokens 0: vLLM's scoring of a prompt)."""
+    return dataclasses.replace(o, text="", token_ids=[], logprobs=None if o.logprobs is None else [])
+
+
+def _top_with(entries: dict, tid: int, k: int) -> list:
+    """The k most likely entries, plus the chosen token's when it is not among them (the legacy
+    completions format: up to logprobs + 1 entries, the chosen token always there, as vLLM's)."""
+    top = sorted(entries.values(), key=lambda e: e.rank)[:k]
+    return top if any(e is entries[tid] for e in top) else top + [entries[tid]]
 
 
 def _top_dict(top) -> dict[str, float]:

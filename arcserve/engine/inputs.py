@@ -163,6 +163,9 @@ class InputProcessor:
         """Tokenize and validate a request without touching engine state (safe from any thread).
         The request gets its own copy of params (with output_kind, when given). Raises ValueError
         naming what is wrong."""
+        if priority != 0 and self.args.scheduling_policy != "priority":  # (vLLM refuses it too)
+            raise ValueError(f"priority {priority} needs scheduling_policy='priority' (--scheduling-policy "
+                             f"priority); this engine runs {self.args.scheduling_policy!r}")  # fmt: skip
         params = params or self.default_sampling_params()
         from_text = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
         text, ids = self.truncate_prompt(*self.tokenize_prompt(prompt), params.truncate_prompt_tokens,

@@ -462,7 +462,8 @@ def test_bad_requests_during_a_long_stream(server):
     texts = [e["choices"][0]["text"] for e in events if e["choices"]]
     assert events[-1]["usage"]["completion_tokens"] == 230
     assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
-    solo = server.post("/v1/completions", json={**body, "stream": False}).json()["choices"][0]["text"]
+    solo = server.post("/v1/completions", json={**body, "stream": False, "stream_options": None}).json()
+    solo = solo["choices"][0]["text"]
     assert "".join(texts) == solo
     assert httpx.get(f"{server.base}/health", timeout=5).status_code == 200
     server.wait_idle()

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from .helpers import MODEL, sse_data
+from .helpers import MODEL, serve, sse_data
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of"]
 UNICODE = "Unicode: café, naïve, 東京, Привет 🙂"
@@ -106,9 +106,9 @@ def test_chat_equals_transformers_greedy(client, hf):
     assert choice.message.role == "assistant" and choice.finish_reason == "length"
     assert choice.message.content == hf.tok.decode(expected, skip_special_tokens=True)
     assert usage_of(r.usage) == (len(ids), 20, len(ids) + 20)
-    # content given as text parts renders the same prompt; max_completion_tokens is max_tokens' new name
-    parts = [MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "Hello "},
-                                                       {"type": "text", "text": "there"}]}]  # fmt: skip
+    # content given as a text part renders the same prompt (several parts: one per line, below);
+    # max_completion_tokens is max_tokens' new name
+    parts = [MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": MESSAGES[1]["content"]}]}]
     r2 = client.chat.completions.create(model=MODEL, messages=parts, max_completion_tokens=20, **GREEDY,
                                         extra_body=NO_EOS)  # fmt: skip
     assert r2.choices[0].message.content == choice.message.content
@@ -242,6 +242,80 @@ def test_chat_continue_final_message(client, hf):
         client.chat.completions.create(model=MODEL, messages=conv, max_tokens=2,
                                        extra_body={"continue_final_message": True})  # fmt: skip
     assert e.value.param == "continue_final_message"
+
+
+def test_chat_echo(client, hf):
+    """echo (vLLM): a continued assistant message's text comes in front of the answer, streamed or not;
+    a last message of another role is not echoed."""
+    conv = [*MESSAGES, {"role": "assistant", "content": "Well, the"}]
+    extra = {**NO_EOS, "continue_final_message": True, "add_generation_prompt": False, "echo": True}
+    r = client.chat.completions.create(model=MODEL, messages=conv, max_tokens=8, **GREEDY, extra_body=extra)
+    plain = client.chat.completions.create(model=MODEL, messages=conv, max_tokens=8, **GREEDY,
+                                           extra_body={**extra, "echo": False})  # fmt: skip
+    assert r.choices[0].message.content == "Well, the" + plain.choices[0].message.content
+    stream = client.chat.completions.create(model=MODEL, messages=conv, max_tokens=8, **GREEDY, extra_body=extra,
+                                            stream=True)  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == r.choices[0].message.content
+    user_last = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, **GREEDY,
+                                               extra_body={**NO_EOS, "echo": True})  # fmt: skip
+    assert not user_last.choices[0].message.content.startswith(MESSAGES[-1]["content"])
+
+
+def test_chat_text_parts_one_per_line(server):
+    """Text parts of a message are joined with newlines, as vLLM renders them."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Translate this:"}, {"type": "text", "text": "Bonjour"}]}]
+    joined = [{"role": "user", "content": "Translate this:\nBonjour"}]
+    ids = [server.post("/tokenize", json={"model": MODEL, "messages": m}).json()["tokens"] for m in (parts, joined)]
+    assert ids[0] == ids[1]
+
+
+def test_request_chat_template_needs_trust(server, llama_dir):
+    """A chat_template in the request is a 400 unless the server trusts request templates; then it
+    renders the prompt (vLLM's --trust-request-chat-template)."""
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "chat_template": template}
+    r = server.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+    with serve(llama_dir, app_kw={"trust_request_chat_template": True}) as trusting:
+        r = trusting.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200
+        want = trusting.post("/tokenize", json={"model": MODEL, "prompt": "[hi]", "add_special_tokens": False})
+        assert r.json()["usage"]["prompt_tokens"] == want.json()["count"]
+
+
+def test_tool_call_history_reaches_the_template(llama_dir):
+    """An assistant's earlier tool calls and the tool's answer (history: tools themselves are refused)
+    reach the chat template, the call's JSON arguments as a mapping (vLLM parses them so)."""
+    from arcserve.api.server import read_chat_template
+
+    template = read_chat_template("{% for m in messages %}{% if m.tool_calls %}CALL {{ m.tool_calls[0].function.name }}"
+                                  "({{ m.tool_calls[0].function.arguments.city }}){% elif m.role == 'tool' %}"
+                                  "RESULT {{ m.tool_call_id }}={{ m.content }}{% else %}{{ m.content }}{% endif %};"
+                                  "{% endfor %}")  # fmt: skip
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
+    with serve(llama_dir, app_kw={"chat_template": template}) as s:
+        got = s.post("/tokenize", json={"model": MODEL, "messages": messages}).json()["tokens"]
+        want = s.post("/tokenize", json={"model": MODEL, "add_special_tokens": False,
+                                         "prompt": "weather?;CALL get_weather(Paris);RESULT c1=sunny;"}).json()["tokens"]  # fmt: skip
+    assert got == want
+
+
+def test_generation_config_caps_max_tokens(llama_dir, tmp_path):
+    """The model's generation_config max_new_tokens caps every request's max_tokens, as in vLLM's server."""
+    import json
+    import shutil
+
+    d = tmp_path / "capped"
+    shutil.copytree(llama_dir, d)
+    (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "max_new_tokens": 4}))
+    with serve(d) as s:
+        client = s.client()
+        chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body=NO_EOS)
+        comp = client.completions.create(model=MODEL, prompt="x", max_tokens=50, extra_body=NO_EOS)
+        assert chat.usage.completion_tokens == comp.usage.completion_tokens == 4
 
 
 @pytest.mark.parametrize("case", list(CHAT_CASES))
@@ -469,10 +543,12 @@ def test_chat_logprobs_equal_transformers(client, hf):
     )
 
 
-def test_streamed_text_offsets_equal_non_streamed(client):
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_text_offsets_equal_non_streamed(client, echo):
     """logprobs.text_offset of a streamed completion must be the same as the non-streamed one (the
-    offset of each token in the completion text)."""
-    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, logprobs=1, **GREEDY, extra_body=NO_EOS)
+    offset of each token in the completion text; with echo, in the prompt + completion: the first
+    generated token's offset was shifted by the prompt's length twice when streamed)."""
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, logprobs=1, echo=echo, **GREEDY, extra_body=NO_EOS)
     full = client.completions.create(**kw).choices[0]
     lp = full.logprobs
     # non-streamed: every token sits at its offset, and the offsets add up the token strings
@@ -481,6 +557,50 @@ def test_streamed_text_offsets_equal_non_streamed(client):
     streamed = [o for ch in client.completions.create(stream=True, **kw) for c in ch.choices if c.logprobs
                 for o in c.logprobs.text_offset]  # fmt: skip
     assert streamed == lp.text_offset
+
+
+def test_legacy_top_logprobs_hold_the_chosen_token(client, hf):
+    """OpenAI's legacy format: up to logprobs + 1 entries, the chosen token always among them."""
+    for k in (0, 1):
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, logprobs=k, echo=True,
+                                      temperature=1.5, seed=3, extra_body=NO_EOS)  # fmt: skip
+        lp = r.choices[0].logprobs
+        for tok, top in zip(lp.tokens[1:], lp.top_logprobs[1:]):  # (the prompt's first token has none)
+            assert tok in top and len(top) <= k + 1
+
+
+def test_echo_without_generation(client, hf):
+    """echo with max_tokens 0 scores the prompt: its text and logprobs, nothing generated (vLLM);
+    max_tokens 0 without echo stays a 400."""
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=0, echo=True, logprobs=1)
+    c = r.choices[0]
+    assert c.text == PROMPTS[0] and r.usage.completion_tokens == 0
+    assert len(c.logprobs.tokens) == len(hf.tok.encode(PROMPTS[0])) and c.logprobs.token_logprobs[0] is None
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=0, echo=True, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == PROMPTS[0]
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=0)
+
+
+def test_nulls_mean_the_defaults(server):
+    """Fields OpenAI's spec lets clients send as null: null is the default, not a 400; model "" is
+    the served model (vLLM)."""
+    body = {"model": "", "prompt": "x", "max_tokens": 2, "n": None, "presence_penalty": None,
+            "frequency_penalty": None, "stream": None, "echo": None, "logprobs": None, "ignore_eos": None}  # fmt: skip
+    r = server.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["model"] == MODEL
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": None,
+            "n": None, "stream": None}  # fmt: skip
+    assert server.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+def test_refused_like_vllm(server):
+    """stream_options without stream, and a priority on a first-come-first-served server, are 400s."""
+    r = server.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+    r = server.post("/v1/completions", json={"model": MODEL, "prompt": "x", "priority": 3})
+    assert r.status_code == 400 and "scheduling_policy='priority'" in r.json()["error"]["message"]
 
 
 def test_sampling_extras(client, hf):
