@@ -65,6 +65,8 @@ class ModelConfig:
             kind = scaling.get("rope_type") or scaling.get("type") or "default"
             if kind not in SUPPORTED_ROPE:
                 raise ValueError(f"Unsupported rope scaling {kind!r}; supported: {', '.join(SUPPORTED_ROPE)}")
+            if kind != "default" and not isinstance(scaling.get("factor"), (int, float)):
+                raise ValueError(f"rope scaling {kind!r} in config.json needs a numeric 'factor'")
             scaling = {**scaling, "rope_type": kind} if kind != "default" else None
         act = c.get("hidden_act", "silu")
         if act not in ("silu", "swish"):

@@ -76,3 +76,10 @@ def test_weight_shapes_must_match_the_config(tmp_path):
     with pytest.raises(ValueError, match=r"weight 'layers.0.mlp.gate_proj.weight' has shape \(128, 64\) but "
                                          r"config.json implies \(96, 64\)"):  # fmt: skip
         LLM(str(d), dtype="float32")
+
+
+def test_rope_scaling_without_factor_is_refused(tmp_path):
+    d = make_model_dir(tmp_path / "r", "llama")
+    edit_config(d, rope_scaling={"type": "linear"}, rope_parameters=None)
+    with pytest.raises(ValueError, match="rope scaling 'linear' in config.json needs a numeric 'factor'"):
+        ModelConfig.from_dir(str(d))
