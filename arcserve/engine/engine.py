@@ -310,8 +310,10 @@ class LLMEngine(InputProcessor):
                 ttfts.append(now - m.arrival_time)
                 prompt_tokens += req.num_prompt_tokens
                 m.first_token_time = now
+            elif spec_before is None:
+                itls.append(now - m.last_token_time)
             else:  # the step's tokens share its interval equally
-                new = 1 if spec_before is None else req.num_tokens - spec_before
+                new = req.num_tokens - spec_before
                 itls += [(now - m.last_token_time) / new] * new
             if spec_before is not None:
                 stop_str = self._on_tokens(req, spec_before, logprobs.get(rid))

@@ -91,7 +91,7 @@ class OutputProcessor:
         if seq.detok is None:
             return None
         if (
-            req.status == RequestStatus.FINISHED_STOPPED
+            req.status is RequestStatus.FINISHED_STOPPED
             and not req.params.include_stop_str_in_output
             and (num_tokens is None or num_tokens == req.num_tokens)
         ):  # as in vLLM, the token that stopped the sequence (EOS, stop_token_ids) stays out of the text
