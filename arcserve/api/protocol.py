@@ -15,14 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictInt,
-    ValidationError,
-    field_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
 from arcserve.sampling_params import MAX_LOGPROBS, TRUNCATION_RANGE, SamplingParams, valid_truncation
 

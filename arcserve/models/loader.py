@@ -38,8 +38,9 @@ def weight_files(model_dir: str) -> list[str]:
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
-    """Every weight the decoder reads (ours names: the checkpoint's without "model."), with its shape
-    as config.json implies it; optional biases and q/k norms only where the config has them."""
+    """Every weight the decoder may read (our names: the checkpoint's without "model."), with its
+    shape as config.json implies it; the optional biases and q/k norms are listed for every family
+    (a checkpoint's are read when present; the dummy weights make those the config asks for)."""
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
     shapes: dict[str, tuple] = {"embed_tokens.weight": (cfg.vocab_size, h), "norm.weight": (h,)}
@@ -53,7 +54,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
             a + "q_proj.weight": (q, h), a + "k_proj.weight": (kv, h), a + "v_proj.weight": (kv, h),
             a + "o_proj.weight": (h, q), m + "gate_proj.weight": (inter, h), m + "up_proj.weight": (inter, h),
             m + "down_proj.weight": (h, inter),
-            # optional (read when present; the dummy weights make those the config asks for)
+            # optional
             a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,), a + "o_proj.bias": (h,),
             m + "gate_proj.bias": (inter,), m + "up_proj.bias": (inter,), m + "down_proj.bias": (h,),
             a + "q_norm.weight": (d,), a + "k_norm.weight": (d,),
