@@ -41,6 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="Hugging Face model folder (default: bundled demo model)")
     p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL", help="the model folder, as a flag")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
+    p.add_argument("--trust-remote-code", action="store_true", help="let a tokenizer run its own code")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1 only: one device per model")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
     p.add_argument("--max-model-len", type=max_model_len_arg, default=None,
                    help="e.g. 4096, 4k (4,000), 4K (4,096); -1 or auto: the model's own")  # fmt: skip

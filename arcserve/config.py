@@ -90,6 +90,8 @@ class EngineArgs:
     # speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_min": a, "prompt_lookup_max": b} or {"model": DRAFT_DIR, "num_speculative_tokens": k}
     speculative_config: Any = None
+    trust_remote_code: bool = False  # tokenizers only: run a tokenizer's own code (models are arcserve's)
+    tensor_parallel_size: int = 1  # vLLM's; arcserve runs a model on one device
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -108,6 +110,9 @@ class EngineArgs:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two from 1 to 128, got {self.block_size}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size must be 1 (arcserve runs a model on one device), "
+                             f"got {self.tensor_parallel_size!r}")  # fmt: skip
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
     @classmethod

@@ -41,7 +41,7 @@ def load_draft_model(path: str, engine, ops) -> DecoderModel:
             "a draft model must share the target's tokenizer"
         )
     try:
-        tok = load_tokenizer(path)
+        tok = load_tokenizer(path, engine.args.trust_remote_code)
     except Exception:  # no tokenizer files in the draft folder: the vocabulary size is all we can check
         tok = None
     if tok is not None and tok.get_vocab() != engine.tokenizer.get_vocab():

@@ -47,7 +47,7 @@ class InputProcessor:
             args.model = str(demo_model_dir())
         self.args = args
         self.model_config = cfg = ModelConfig.from_dir(args.model)
-        self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        self.tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
         self.generation_defaults = load_generation_defaults(args.generation_config, args.model)
         eos = set(cfg.eos_token_ids) | set(self.generation_defaults.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -17,11 +17,13 @@ _SAMPLING_KEYS = {
 }
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """trust_remote_code: let a tokenizer that ships its own Python code run it (vLLM's flag; model
+    architectures are arcserve's own either way)."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises many kinds; name the folder and the cause
         raise ValueError(
             f"Could not load a tokenizer from {path} (it needs tokenizer.json or the tokenizer "
