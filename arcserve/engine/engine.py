@@ -306,19 +306,21 @@ class LLMEngine(InputProcessor):
             m = req.metrics
             rid = req.request_id
             spec_before = before.get(rid) if before is not None else None  # a speculating request
+            if spec_before is None:
+                stop_str = self.outputs.on_token(req, req.token_ids[-1], logprobs.get(rid) if logprobs else None)
+                new = 1
+            else:  # (its tokens after a stop string are dropped here: count what remains)
+                stop_str = self._on_tokens(req, spec_before, logprobs.get(rid))
+                new = req.num_tokens - spec_before
             if m.first_token_time is None:  # (a prompt's last token can come with drafts too)
                 ttfts.append(now - m.arrival_time)
                 prompt_tokens += req.num_prompt_tokens
                 m.first_token_time = now
-            elif spec_before is None:
+                itls += [0.0] * (new - 1)  # drafts accepted with the first token came with it
+            elif new == 1:
                 itls.append(now - m.last_token_time)
             else:  # the step's tokens share its interval equally
-                new = req.num_tokens - spec_before
                 itls += [(now - m.last_token_time) / new] * new
-            if spec_before is not None:
-                stop_str = self._on_tokens(req, spec_before, logprobs.get(rid))
-            else:
-                stop_str = self.outputs.on_token(req, req.token_ids[-1], logprobs.get(rid) if logprobs else None)
             m.last_token_time = now
             if stop_str is not None:  # a stop string wins over a length stop in the same step
                 if req.is_finished:

@@ -346,6 +346,38 @@ def test_first_token_with_drafts(llama_dir, method):
     m = llm.get_metrics()
     assert m["arcserve:spec_decode_num_drafts_total"] > 0
     assert m["arcserve:time_to_first_token_seconds"]["count"] == 2
+    _assert_token_counts(m, 32)  # the drafts accepted with a first token count too
+
+
+def _assert_token_counts(m: dict, n: int) -> None:
+    """Every generated token counted once: in the total, and as a first token or an inter-token gap."""
+    assert m["arcserve:generation_tokens_total"] == n == m["arcserve:request_generation_tokens"]["sum"]
+    assert m["arcserve:time_to_first_token_seconds"]["count"] + m["arcserve:inter_token_latency_seconds"]["count"] == n
+
+
+def test_drafts_accepted_with_the_first_token_are_counted(llama_dir):
+    """A 2-token request and a 31-token prompt in a 32-token budget: the prompt's last token comes
+    with drafts (the target as its own draft accepts them), so its first step yields 4 tokens."""
+    prompts = [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": list(range(40, 71))}]
+    params = [SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]  # fmt: skip
+    base = LLM(str(llama_dir), max_num_batched_tokens=32).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(llama_dir), max_num_batched_tokens=32,
+              speculative_config={"model": str(llama_dir), "num_speculative_tokens": 3})  # fmt: skip
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == _tokens(base)
+    _assert_token_counts(llm.get_metrics(), 13)
+
+
+def test_stop_string_among_accepted_drafts_counts_what_is_kept(llama_dir):
+    """A stop string inside a step's accepted tokens drops the tokens after it: they are not counted."""
+    prompts = [{"prompt_token_ids": [11, 42, 97, 13, 200, 5, 77]}]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=["he"])
+    base = LLM(str(llama_dir)).generate(prompts, params, use_tqdm=False)[0].outputs[0]
+    assert base.finish_reason == "stop"  # precondition: the greedy answer reaches the stop string
+    llm = LLM(str(llama_dir), speculative_config={"model": str(llama_dir), "num_speculative_tokens": 3})
+    got = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == base.token_ids and got.text == base.text
+    _assert_token_counts(llm.get_metrics(), len(base.token_ids))
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_self"])
