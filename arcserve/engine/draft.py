@@ -88,6 +88,8 @@ class DraftProposer:
             fed = ds.drafts[:-1]
             got = req.token_ids[ds.base : ds.base + len(fed)]
             n = next((i for i, (a, b) in enumerate(zip(fed, got)) if a != b), min(len(fed), len(got)))
+            if ds.base + n < ds.num_computed_tokens and self.runner.decode_mirror is not None:
+                self.runner.decode_mirror.forget(req.seq_no)  # its row holds rejected drafts' K/V
             ds.num_computed_tokens = min(ds.num_computed_tokens, ds.base + n)
             ds.drafts = []
         # the last token always runs again: its logits give the first draft (it may be in the cache

@@ -135,6 +135,12 @@ class DecodeMirror:
     def reset(self) -> None:
         self.ids, self.lens = [], np.zeros(0, dtype=np.int64)
 
+    def forget(self, seq_id: int) -> None:
+        """The sequence's tokens past some position changed (a draft model's rejected drafts): its
+        row must not continue; the next step that decodes it refills it from the paged cache."""
+        if seq_id in self.ids:
+            self.lens[self.ids.index(seq_id)] = -2  # no step's length is -2 + 1
+
     def plan(self, ids: np.ndarray, lens: np.ndarray, block_tables: torch.Tensor, block_size: int):
         """Assign rows to this step's decoding sequences (ids; context lengths after the step).
         Returns (row of each decode token, refill info or None), or None to fall back to gathering."""

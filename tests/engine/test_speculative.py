@@ -481,3 +481,40 @@ def test_metrics_exported(llama_dir):
     assert f'arcserve:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} {float(n)}' in text
     assert 'arcserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' in text
     assert "arcserve:spec_decode_num_drafts_total" in text
+
+
+def test_draft_mirror_rows_follow_rejections(llama_dir):
+    """CPU decode mirror of the draft model: a row kept from one step to the next must hold what the
+    paged cache holds. A draft's rejected tokens were left in its row when the catch-up step that
+    rewrote them ran below the mirror's context threshold (drafts then attended to stale K/V)."""
+    import random
+
+    from arcserve.kernels import reference
+
+    rng = random.Random(0)
+    lens = [rng.randint(330, 420) for _ in range(3)]  # three prompts: together past the mirror's threshold
+    prompts = [{"prompt_token_ids": [rng.randint(3, 299) for _ in range(n)]} for n in lens]
+    bias = {rng.randint(3, 299): 1.5 for _ in range(15)}  # request 0's drafts are partly rejected
+    params = [SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, logit_bias=bias if i == 0 else None)
+              for i in range(3)]  # fmt: skip
+    llm = LLM(str(llama_dir), max_model_len=512, speculative_config={"model": str(llama_dir), "num_speculative_tokens": 4})
+    runner = llm.llm_engine.proposer.runner
+    mirror, checked, stale = runner.decode_mirror, [0], []
+    plan = mirror.plan
+
+    def checked_plan(ids, lens, tables, bs):
+        held = dict(zip(mirror.ids, mirror.lens.tolist()))
+        got = plan(ids, lens, tables, bs)
+        for i, (sid, n) in enumerate(zip(ids.tolist(), lens.tolist())):
+            if got is not None and held.get(sid, -9) + 1 == n:  # kept: positions [0, n - 1) come from the row
+                paged = reference._gather(runner.kv_caches[0][0], tables[i : i + 1, : -(-(n - 1) // bs)].long(),
+                                          mirror.k.dtype)[0, :, : n - 1]  # fmt: skip
+                row = mirror.k[0, mirror.ids.index(sid), :, : n - 1]
+                checked[0] += 1
+                if not torch.equal(paged, row):
+                    stale.append((sid, n))
+        return got
+
+    mirror.plan = checked_plan
+    llm.generate(prompts, params, use_tqdm=False)
+    assert checked[0] > 40 and stale == []
