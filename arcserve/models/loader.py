@@ -37,12 +37,13 @@ def weight_files(model_dir: str) -> list[str]:
     )
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
-    """Every weight the decoder may read (our names: the checkpoint's without "model."), with its
-    shape as config.json implies it; the optional biases and q/k norms are listed for every family
-    (a checkpoint's are read when present; the dummy weights make those the config asks for)."""
+def expected_shapes(cfg: ModelConfig, optional: str) -> dict[str, tuple]:
+    """Every weight the decoder reads (our names: the checkpoint's without "model."), with its shape
+    as config.json implies it. optional: "all" lists every family's optional biases and q/k norms
+    (a checkpoint's are read when present), "config" only those the config asks for (dummy weights)."""
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    every = optional == "all"
     shapes: dict[str, tuple] = {"embed_tokens.weight": (cfg.vocab_size, h), "norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
@@ -54,11 +55,15 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
             a + "q_proj.weight": (q, h), a + "k_proj.weight": (kv, h), a + "v_proj.weight": (kv, h),
             a + "o_proj.weight": (h, q), m + "gate_proj.weight": (inter, h), m + "up_proj.weight": (inter, h),
             m + "down_proj.weight": (h, inter),
-            # optional
-            a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,), a + "o_proj.bias": (h,),
-            m + "gate_proj.bias": (inter,), m + "up_proj.bias": (inter,), m + "down_proj.bias": (h,),
-            a + "q_norm.weight": (d,), a + "k_norm.weight": (d,),
         })  # fmt: skip
+        if every or cfg.qkv_bias:
+            shapes.update({a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)})
+        if every or cfg.o_bias:
+            shapes[a + "o_proj.bias"] = (h,)
+        if every or cfg.mlp_bias:
+            shapes.update({m + "gate_proj.bias": (inter,), m + "up_proj.bias": (inter,), m + "down_proj.bias": (h,)})
+        if every or cfg.family.qk_norm:
+            shapes.update({a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)})
     return shapes
 
 
@@ -68,7 +73,7 @@ class _Weights:
 
     def __init__(self, files: list[str], dtype: torch.dtype, device: torch.device, cfg: ModelConfig) -> None:
         self.dtype, self.device = dtype, device
-        self.shapes = expected_shapes(cfg)
+        self.shapes = expected_shapes(cfg, "all")
         self.where: dict[str, tuple] = {}  # our name -> (file handle, key in the file)
         for path in files:
             h = safe_open(path, framework="pt")
@@ -104,15 +109,7 @@ class _DummyWeights:
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int) -> None:
         self.dtype, self.device, self.seed = dtype, device, seed
         self.gen = torch.Generator(device=device)
-        optional = {
-            "q_proj.bias": cfg.qkv_bias, "k_proj.bias": cfg.qkv_bias, "v_proj.bias": cfg.qkv_bias,
-            "o_proj.bias": cfg.o_bias, "gate_proj.bias": cfg.mlp_bias, "up_proj.bias": cfg.mlp_bias,
-            "down_proj.bias": cfg.mlp_bias, "q_norm.weight": cfg.family.qk_norm, "k_norm.weight": cfg.family.qk_norm,
-        }  # fmt: skip
-        self.shapes = {
-            name: shape for name, shape in expected_shapes(cfg).items()
-            if optional.get(".".join(name.split(".")[-2:]), True)
-        }  # fmt: skip
+        self.shapes = expected_shapes(cfg, "config")
 
     def has(self, name: str) -> bool:
         return name in self.shapes
