@@ -98,7 +98,8 @@ class _Sampling(BaseModel):
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: room for max_tokens
 
     @field_validator("n", "presence_penalty", "frequency_penalty", "stream", "min_tokens", "ignore_eos",
-                     "skip_special_tokens", "include_stop_str_in_output", "priority", mode="before")  # fmt: skip
+                     "skip_special_tokens", "include_stop_str_in_output", "priority", "echo", "logprobs",
+                     mode="before", check_fields=False)  # fmt: skip  (echo, logprobs: the subclasses')
     @classmethod
     def _null_is_default(cls, v, info):  # OpenAI's spec lets clients send null for "the default"
         return cls.model_fields[info.field_name].default if v is None else v
@@ -208,11 +209,6 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     best_of: int | None = None
 
-    @field_validator("echo", mode="before")
-    @classmethod
-    def _null_echo(cls, v):
-        return False if v is None else v
-
     @field_validator("max_tokens")
     @classmethod
     def _max_tokens_zero_needs_echo(cls, v, info):
@@ -315,13 +311,13 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = False
+    logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # used only when the server trusts request templates (vLLM's rule)
-    echo: bool | None = False  # the last message's content in front of the answer, when it is the answer's role
+    echo: bool = False  # the last message's content in front of the answer, when it is the answer's role
     # Tool calling needs a tool-call parser, which arcserve does not have: tools are refused, not
     # silently left out of the prompt; tool_choice only as "none" or "auto" without tools.
     tools: list[dict[str, Any]] | None = None
