@@ -243,28 +243,25 @@ class Serving:
         echo_only: echo with max_tokens 0, the one token the engine made left out."""
         completion = 0
         per_choice: dict[int, int] = {}
-        sent_echo: set[int] = set()
-        sent_lp: set[int] = set()
+        echoed: set[int] = set()  # choices whose first chunk (the prompt's text and logprobs) went out
         offsets: dict[int, int] = {}
         try:
             async for i, out in self._merge(streams):
                 for o in out.outputs:
                     o = _nothing_generated(o) if echo_only else o
                     idx = i * n + o.index
-                    text = o.text
-                    if echo[i] and idx not in sent_echo:
-                        sent_echo.add(idx)
-                        text = echo[i] + text
+                    first_echo = bool(echo[i]) and idx not in echoed
+                    if first_echo:
+                        echoed.add(idx)
+                    text = echo[i] + o.text if first_echo else o.text
                     completion += len(o.token_ids)
                     per_choice[idx] = per_choice.get(idx, 0) + len(o.token_ids)
                     # Offsets follow the tokens' own text (the streamed text is held back while a
                     # character or a possible stop string is incomplete).
-                    first_echo = bool(echo[i]) and idx not in sent_lp
                     start = 0 if first_echo else offsets.get(idx, 0)
                     lp = self._completion_logprobs(o, start, k)
                     if lp is not None:
                         if first_echo:  # first chunk: the prompt's logprobs too, the tokens' offsets after them
-                            sent_lp.add(idx)
                             lp = self._join_logprobs(self._prompt_part(out, k), lp)
                         offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else start
                     yield self._sse({
@@ -319,9 +316,11 @@ class Serving:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         # echo (vLLM): the last message's text in front of the answer when it has the answer's role
         # (an assistant message continued with add_generation_prompt false)
-        last = body.messages[-1].as_template_dict()
-        role = "assistant" if body.add_generation_prompt else last["role"]
-        echo = last["content"] if body.echo and last["role"] == role else ""
+        echo = ""
+        if body.echo:
+            last = body.messages[-1].as_template_dict()
+            if not body.add_generation_prompt or last["role"] == "assistant":  # it has the answer's role
+                echo = last["content"]
         if body.stream:
             return StreamingResponse(self._stream_chat(streams, rid, created, body.n, len(ids), _usage_mode(body), k,
                                                        echo),
