@@ -63,6 +63,9 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine: the model's EOS ids (config, generation_config and tokenizer).
     _eos_token_ids: frozenset[int] = field(default=frozenset(), repr=False)
+    # The tokenizer's EOS; a sequence stopped by another of _eos_token_ids (generation_config's
+    # extra ids) reports that id as its stop_reason, as vLLM's stop_token_ids from generation_config.
+    _eos_token_id: int | None = field(default=None, repr=False)
     # Filled by the engine from bad_words and the tokenizer.
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 

@@ -324,7 +324,12 @@ def test_generation_config_defaults(tmp_path, llama_dir):
     assert (sp.temperature, sp.top_p, sp.top_k) == (0.3, 0.8, 20)
     assert llm.llm_engine.eos_token_ids == {2, 7}
     out = llm.generate("x", greedy(6, logit_bias={7: 100.0}), use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == [7] and out.finish_reason == "stop"
+    # generation_config's extra EOS id stops as vLLM's stop_token_ids do: reported as the stop_reason
+    assert out.token_ids == [7] and (out.finish_reason, out.stop_reason) == ("stop", 7)
+    out = llm.generate("x", greedy(6, logit_bias={2: 100.0}), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [2] and (out.finish_reason, out.stop_reason) == ("stop", None)  # the tokenizer's
+    out = llm.generate("x", greedy(3, logit_bias={7: 100.0}, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [7, 7, 7] and (out.finish_reason, out.stop_reason) == ("length", None)
 
 
 def test_get_metrics_counts_exactly(llama_dir):

@@ -171,7 +171,7 @@ class InputProcessor:
         text, ids = self.truncate_prompt(*self.tokenize_prompt(prompt), params.truncate_prompt_tokens,
                                          params.max_tokens, from_text)  # fmt: skip
         params = params.clone()
-        params._eos_token_ids = self.eos_token_ids
+        params._eos_token_ids, params._eos_token_id = self.eos_token_ids, self.tokenizer.eos_token_id
         if params.bad_words:
             params._bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         self._validate(ids, params)
@@ -213,7 +213,7 @@ class InputProcessor:
         if allowed:  # every allowed token masked would leave nothing to sample
             banned = {seq[0] for seq in params._bad_words_token_ids if len(seq) == 1}
             if params.min_tokens > 0:
-                banned |= set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+                banned |= set(params.stop_token_ids) | self.eos_token_ids
             if banned.issuperset(allowed):
                 raise ValueError(
                     "allowed_token_ids must hold a token that neither bad_words nor (until min_tokens) EOS and "

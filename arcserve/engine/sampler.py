@@ -72,11 +72,10 @@ def num_sampled(req: Request) -> int:
 
 
 def _stop_ids(req: Request) -> list[int]:
+    """The ids min_tokens masks: stop_token_ids and EOS, EOS even under ignore_eos (vLLM's rule:
+    no EOS before min_tokens)."""
     p = req.params
-    ids = set(p.stop_token_ids)
-    if not p.ignore_eos:
-        ids |= p._eos_token_ids
-    return sorted(ids)
+    return sorted(set(p.stop_token_ids) | p._eos_token_ids)
 
 
 def _flat(rows: list[int], lists: list) -> tuple[np.ndarray, np.ndarray]:

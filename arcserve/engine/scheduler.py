@@ -256,6 +256,8 @@ class Scheduler:
         p = req.params
         if req.num_output_tokens >= p.min_tokens:
             if token in p._eos_token_ids and not p.ignore_eos:
+                if token != p._eos_token_id:  # generation_config's other EOS ids: stop tokens to vLLM
+                    req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
             if token in p.stop_token_ids:
                 req.stop_reason = token

@@ -283,8 +283,10 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
         req = make_req(params(), output=[7] * n_out)
         tok = Sampler(CPU, 0)(logits.clone(), [req]).tokens.item()
         assert tok == (4 if n_out < 3 else eos), n_out
-    # ignore_eos: EOS is not a stop token, so only stop_token_ids are masked.
+    # ignore_eos: EOS stops nothing, yet min_tokens still masks it (vLLM: all_stop_token_ids hold EOS).
     req = make_req(params(ignore_eos=True), output=[7])
+    assert Sampler(CPU, 0)(logits.clone(), [req]).tokens.item() == 4
+    req = make_req(params(ignore_eos=True), output=[7] * 3)
     assert Sampler(CPU, 0)(logits.clone(), [req]).tokens.item() == eos
     # Sampling rows are masked too: EOS and the stop id never come up before min_tokens.
     p = params()
@@ -676,6 +678,10 @@ def test_min_tokens_end_to_end_eos_and_stop_ids(llm):
     o = gen(llm, [p], sp)[0].outputs[0]
     assert o.token_ids[-1] == 17 and 17 not in o.token_ids[:-1] and len(o.token_ids) == 5
     assert (o.finish_reason, o.stop_reason) == ("stop", 17)
+    # ignore_eos: EOS does not stop the sequence, yet min_tokens still holds it off (vLLM's rule)
+    sp = SamplingParams(temperature=0, logit_bias={eos: 100.0}, min_tokens=3, max_tokens=6, ignore_eos=True)
+    o = gen(llm, [p], sp)[0].outputs[0]
+    assert eos not in o.token_ids[:3] and o.token_ids[3:] == [eos] * 3 and o.finish_reason == "length"
 
 
 def test_min_tokens_holds_off_stop_strings(llm):
