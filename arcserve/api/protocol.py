@@ -99,7 +99,7 @@ class _Sampling(BaseModel):
 
     @field_validator("n", "presence_penalty", "frequency_penalty", "stream", "min_tokens", "ignore_eos",
                      "skip_special_tokens", "include_stop_str_in_output", "priority", "echo", "logprobs",
-                     mode="before", check_fields=False)  # fmt: skip  (echo, logprobs: the subclasses')
+                     "add_special_tokens", mode="before", check_fields=False)  # fmt: skip  (the last three: subclasses')
     @classmethod
     def _null_is_default(cls, v, info):  # OpenAI's spec lets clients send null for "the default"
         return cls.model_fields[info.field_name].default if v is None else v
@@ -208,6 +208,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (and the like) in front of text prompts
 
     @field_validator("max_tokens")
     @classmethod
@@ -315,6 +316,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool = False  # vLLM's: the template puts BOS in; True adds the tokenizer's too
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # used only when the server trusts request templates (vLLM's rule)
     echo: bool = False  # the last message's content in front of the answer, when it is the answer's role
@@ -343,7 +345,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # the tokenizer's own special tokens: prompt True, messages False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 

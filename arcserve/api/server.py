@@ -213,7 +213,8 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str
         if body.messages is not None:
             _, ids = await serving.render_chat(body, chat_template)
         else:
-            encode = functools.partial(llm.tokenizer.encode, add_special_tokens=body.add_special_tokens)
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            encode = functools.partial(llm.tokenizer.encode, add_special_tokens=special)
             ids = await off_loop(len(body.prompt), encode, body.prompt)
         # Serialised off the event loop too when long: a megabyte prompt's ids take the encoder a while.
         return await off_loop(len(ids), _json_response, {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len})

@@ -41,12 +41,14 @@ class Serving:
         self._token_str = TokenTexts(self.tokenizer)  # text of one token id, decoded once per id
 
     # ---- shared --------------------------------------------------------------------------------
-    def _tokenize(self, prompts: list, truncate: int | None = None, max_tokens: int | None = None) -> list[dict]:
+    def _tokenize(self, prompts: list, truncate: int | None = None, max_tokens: int | None = None,
+                  add_special_tokens: bool = True) -> list[dict]:  # fmt: skip
         """Token ids (and text) of each prompt, cut to its last `truncate` tokens when asked
         (truncate_prompt_tokens: before the length checks, as the engine would)."""
         out = []
         for p in prompts:
-            text, ids = self.llm.truncate_prompt(*self.llm.tokenize_prompt(p), truncate, max_tokens, isinstance(p, str))
+            text, ids = self.llm.truncate_prompt(*self.llm.tokenize_prompt(p, add_special_tokens), truncate, max_tokens,
+                                                 isinstance(p, str) and add_special_tokens)  # fmt: skip
             out.append({"prompt_token_ids": ids, "prompt": text})
         return out
 
@@ -54,7 +56,8 @@ class Serving:
         """The request's messages through the chat template: (text, token ids); a long chat is
         rendered off the event loop; a template that fails on them is a 400."""
         messages = [m.as_template_dict() for m in body.messages]
-        args = (messages, chat_template, body.add_generation_prompt, kwargs, body.continue_final_message)
+        special = bool(body.add_special_tokens)  # (a tokenize request's None: False for messages, as vLLM)
+        args = (messages, chat_template, body.add_generation_prompt, kwargs, body.continue_final_message, special)
         try:
             return await off_loop(sum(len(m["content"]) for m in messages), self.llm.apply_chat_template, *args)
         except ValueError as e:
@@ -166,7 +169,7 @@ class Serving:
         try:  # tokenize once; the engine gets token ids
             todo = body.prompts()
             prompts = await off_loop(sum(len(p) for p in todo if isinstance(p, str)), self._tokenize, todo,
-                                     body.truncate_prompt_tokens, body.max_tokens)  # fmt: skip
+                                     body.truncate_prompt_tokens, body.max_tokens, body.add_special_tokens)  # fmt: skip
         except ValueError as e:
             raise bad_request(e) from e
         plens = [len(p["prompt_token_ids"]) for p in prompts]

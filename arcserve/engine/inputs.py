@@ -60,14 +60,16 @@ class InputProcessor:
     def default_sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.generation_defaults.sampling)
 
-    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt; text is encoded with the tokenizer's special tokens (a BOS)
+        unless add_special_tokens=False."""
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), _int_list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"], add_special_tokens=add_special_tokens)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
         raise ValueError(
@@ -81,9 +83,11 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
         continue_final_message: bool = False,
+        add_special_tokens: bool = False,
     ) -> tuple[str, list[int]]:
         """Render a conversation with the tokenizer's (or the given) chat template; returns
-        (text, token ids). The template supplies any BOS token itself. continue_final_message: the
+        (text, token ids). The template supplies any BOS token itself (add_special_tokens=True: the
+        tokenizer adds its own as well, vLLM's request field). continue_final_message: the
         last message (an assistant's, typically) stays open, so generation continues its text
         instead of starting a new turn (then add_generation_prompt must be False, as in vLLM)."""
         template = chat_template or self.chat_template
@@ -110,7 +114,7 @@ class InputProcessor:
             raise ValueError(f"could not apply the chat template: {type(e).__name__}: {e}") from e
         if not isinstance(text, str):
             raise ValueError("the chat template did not render to text")
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        return text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def truncate_prompt(self, text: str | None, ids: list[int], k: int | None, max_tokens: int | None = None,
                         from_text: bool = False) -> tuple[str | None, list[int]]:  # fmt: skip

@@ -5,6 +5,9 @@ tokenize/detokenize, health/ping/version and the Prometheus counters."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import httpx
 import openai
 import pytest
@@ -652,6 +655,41 @@ def test_tokenize_detokenize(server, hf):
     assert chat["tokens"] == hf.chat_ids(MESSAGES)
     back = server.post("/detokenize", json={"tokens": r["tokens"]}).json()
     assert back["prompt"] == PROMPTS[0]
+
+
+@pytest.fixture(scope="module")
+def bos_server(llama_dir, tmp_path_factory):
+    """The tiny llama with a tokenizer that puts a BOS in front of what it encodes (Llama-style)."""
+    d = tmp_path_factory.mktemp("bos") / "llama"
+    shutil.copytree(llama_dir, d)
+    spec = json.loads((d / "tokenizer.json").read_text())
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                              {"Sequence": {"id": "A", "type_id": 0}}], "pair": [{"Sequence": {"id": "A", "type_id": 0}}],
+                              "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}}  # fmt: skip
+    (d / "tokenizer.json").write_text(json.dumps(spec))
+    with serve(d) as s:
+        yield s
+
+
+def test_add_special_tokens_field(bos_server, hf):
+    """vLLM's request field: text prompts get the tokenizer's special tokens (a BOS) unless false; chat
+    prompts only the template's, unless true."""
+    client, tok = bos_server.client(), bos_server.tokenizer
+    plain, special = tok.encode(PROMPTS[0], add_special_tokens=False), tok.encode(PROMPTS[0])
+    assert special == [1] + plain  # precondition: this tokenizer adds a BOS
+    for flag, ids in ((None, special), (True, special), (False, plain)):
+        extra = {} if flag is None else {"add_special_tokens": flag}
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, extra_body=extra)
+        assert r.usage.prompt_tokens == len(ids) and r.choices[0].text == tok.decode(hf.greedy(ids, 4))
+        body = {"prompt": PROMPTS[0], **extra}
+        assert bos_server.post("/tokenize", json=body).json()["tokens"] == ids
+    templated = hf.chat_ids(MESSAGES)
+    for flag, ids in ((None, templated), (False, templated), (True, [1] + templated)):
+        extra = {} if flag is None else {"add_special_tokens": flag}
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0,
+                                           extra_body=extra)  # fmt: skip
+        assert r.usage.prompt_tokens == len(ids) and r.choices[0].message.content == tok.decode(hf.greedy(ids, 4))
+        assert bos_server.post("/tokenize", json={"messages": MESSAGES, **extra}).json()["tokens"] == ids
 
 
 # ---- health and metrics -------------------------------------------------------------------------
