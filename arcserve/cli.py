@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat-template", default=None, help="a Jinja chat template file, or the template itself")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (rendered in the Jinja sandbox)")  # fmt: skip
+    s.add_argument("--chat-template-content-format", choices=["auto", "string", "openai"], default="auto",
+                   help="messages' text parts reach the template joined (string) or as parts (openai); auto: "
+                        "as parts when the template loops over a message's content")  # fmt: skip
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="answer 503 while this many requests are waiting")  # fmt: skip
     s.add_argument("--shutdown-timeout", type=float, default=30.0,

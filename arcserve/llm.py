@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tqdm.auto import tqdm
 
 from arcserve.config import EngineArgs
 from arcserve.engine.engine import LLMEngine
+from arcserve.engine.inputs import add_special_tokens as _add_special_tokens
 from arcserve.outputs import RequestOutput
 from arcserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -47,68 +48,84 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         return self.llm_engine.default_sampling_params()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's name); False when requests are in flight."""
+        return self.llm_engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-        priority: list[int] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request=None,
+        priority: int | Sequence[int] | None = None,
+        tokenization_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """prompts: a string, a list of strings, or {"prompt_token_ids": [...]} dicts (or a list of
-        them). sampling_params: one for all prompts or one per prompt. Results come in input order."""
+        them). sampling_params and priority: one for all prompts or one per prompt. use_tqdm: a
+        bool, or a callable making the progress bar (vLLM's). tokenization_kwargs:
+        {"add_special_tokens": False} encodes text prompts without the tokenizer's BOS. Results come
+        in input order."""
+        _no_lora(lora_request)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(
-                    f"Got {len(params)} sampling_params for {len(prompts)} prompts; pass one or one per prompt"
-                )
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"Got {len(priority)} priorities for {len(prompts)} prompts")
-        return self._run(prompts, params, priority or [0] * len(prompts), use_tqdm)
+        params = _per_prompt(sampling_params, SamplingParams, len(prompts), "sampling_params")
+        prios = _per_prompt(0 if priority is None else priority, int, len(prompts), "priority")
+        return self._run(prompts, params, prios, use_tqdm, tokenization_kwargs)
 
     def chat(
         self,
         messages,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request=None,
+        priority: int | Sequence[int] | None = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
-        chat_template_kwargs: dict | None = None,
         continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        tokenization_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
-        continue_final_message=True (with add_generation_prompt=False) continues the last message."""
+        """messages: one conversation (a list of {"role", "content"} dicts; content a string or
+        OpenAI text parts) or a list of them; vLLM's parameters, in its order.
+        continue_final_message=True (with add_generation_prompt=False) continues the last message;
+        tools: definitions the template renders into the prompt (no tool-call parsing);
+        tokenization_kwargs: {"add_special_tokens": True} adds the tokenizer's own BOS too."""
+        _no_lora(lora_request)
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        special = _add_special_tokens(tokenization_kwargs, default=False)
         prompts = [
             {"prompt_token_ids": ids, "prompt": text}
             for text, ids in (
                 self.llm_engine.apply_chat_template(c, chat_template, add_generation_prompt, chat_template_kwargs,
-                                                    continue_final_message)  # fmt: skip
+                                                    continue_final_message, special, tools,
+                                                    chat_template_content_format)  # fmt: skip
                 for c in convs
             )
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
 
-    def _run(self, prompts: list, params: list[SamplingParams], priority: list[int], use_tqdm: bool):
+    def _run(self, prompts: list, params: list[SamplingParams], priority: list[int], use_tqdm,
+             tokenization_kwargs: dict | None = None):  # fmt: skip
         engine = self.llm_engine
         ids = []
         try:
             for prompt, p, prio in zip(prompts, params, priority):
                 rid = str(next(self._ids))
-                engine.add_request(rid, prompt, p, priority=prio, output_kind=RequestOutputKind.FINAL_ONLY)
+                engine.add_request(rid, prompt, p, priority=prio, output_kind=RequestOutputKind.FINAL_ONLY,
+                                   tokenization_kwargs=tokenization_kwargs)  # fmt: skip
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)  # leave nothing half-started
             raise
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        bar = make_bar(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         start = time.perf_counter()
         in_tok = out_tok = 0
         try:
@@ -129,3 +146,18 @@ class LLM:
         finally:
             bar.close()
         return [results[i] for i in ids]
+
+
+def _no_lora(lora_request) -> None:
+    if lora_request is not None:
+        raise ValueError("LoRA adapters are not supported by arcserve (lora_request must be None)")
+
+
+def _per_prompt(value, kind: type, n: int, name: str) -> list:
+    """One value for every prompt, or a sequence of one per prompt."""
+    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"Got {len(values)} {name} for {n} prompts; pass one or one per prompt")
+    return values

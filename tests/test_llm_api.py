@@ -116,6 +116,91 @@ def test_chat_template(llm):
     assert two[0].outputs[0].token_ids == out.outputs[0].token_ids and len(two) == 2
 
 
+def test_chat_content_parts_tools_and_formats(llm):
+    """OpenAI text parts reach a string template joined one per line and a template that loops over
+    the content as parts (vLLM's chat_template_content_format "auto"); tools reach the template."""
+    parts = [{"type": "text", "text": "be"}, {"type": "text", "text": "brief"}]
+    conv = [{"role": "user", "content": parts}]
+    joined = llm.chat(conv, greedy(2), use_tqdm=False)[0]
+    assert joined.prompt == "<s>user\nbe\nbrief</s>\n<s>assistant\n"
+    looping = "{% for m in messages %}[{% for p in m['content'] %}({{ p.text }}){% endfor %}]{% endfor %}"
+    for fmt in ("auto", "openai"):
+        out = llm.chat(conv, greedy(2), use_tqdm=False, chat_template=looping, chat_template_content_format=fmt)
+        assert out[0].prompt == "[(be)(brief)]"
+    printing = "{{ messages[0]['content'] }}"
+    out = llm.chat(conv, greedy(2), use_tqdm=False, chat_template=printing, chat_template_content_format="string")
+    assert out[0].prompt == "be\nbrief"
+    out = llm.chat(conv, greedy(2), use_tqdm=False, chat_template=printing, chat_template_content_format="openai")
+    assert out[0].prompt == str(parts)  # the parts as they are
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    with_tools = "{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[0]['content'] }}"
+    out = llm.chat([{"role": "user", "content": "hi"}], greedy(2), use_tqdm=False, chat_template=with_tools,
+                   tools=tools)[0]  # fmt: skip
+    assert out.prompt == "get_weather;hi"
+    with pytest.raises(ValueError, match="text parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy(2))
+    with pytest.raises(ValueError, match="chat_template_content_format"):
+        llm.chat(conv, greedy(2), chat_template_content_format="json")
+    with pytest.raises(ValueError, match="'role' and 'content'"):
+        llm.chat([{"role": "user"}], greedy(2))
+
+
+def test_vllm_call_forms(llm, llama_dir, tmp_path):
+    """vLLM's generate/chat keywords: one priority for all prompts, a progress-bar factory,
+    tokenization_kwargs, lora_request (refused: no adapters)."""
+    from tiny_models import copy_with_bos_tokenizer
+
+    made = []
+
+    def bar(**kw):
+        from tqdm import tqdm
+
+        made.append(kw["total"])
+        return tqdm(**{**kw, "disable": True})
+
+    outs = llm.generate(["a", "b"], greedy(2), use_tqdm=bar, priority=0)
+    assert made == [2] and len(outs) == 2
+    with pytest.raises(ValueError, match="Got 3 priority for 2 prompts"):
+        llm.generate(["a", "b"], greedy(2), priority=[0, 0, 0])
+    with pytest.raises(ValueError, match="LoRA"):
+        llm.generate("a", greedy(2), lora_request=object())
+    with pytest.raises(ValueError, match="tokenization_kwargs takes add_special_tokens"):
+        llm.generate("a", greedy(2), tokenization_kwargs={"truncation": True})
+    bos = LLM(str(copy_with_bos_tokenizer(llama_dir, tmp_path / "bos")), dtype="float32", max_model_len=64,
+              scheduling_policy="priority")  # fmt: skip
+    tok = bos.get_tokenizer()
+    plain = tok.encode("Paris is", add_special_tokens=False)
+    assert bos.generate("Paris is", greedy(2), use_tqdm=False)[0].prompt_token_ids == [1] + plain
+    out = bos.generate("Paris is", greedy(2), use_tqdm=False, tokenization_kwargs={"add_special_tokens": False})[0]
+    assert out.prompt_token_ids == plain
+    conv = [{"role": "user", "content": "hi"}]
+    templated = bos.chat(conv, greedy(2), use_tqdm=False)[0].prompt_token_ids
+    assert templated[0] == 1 and templated[1] != 1  # the template's <s> only
+    both = bos.chat(conv, greedy(2), use_tqdm=False, tokenization_kwargs={"add_special_tokens": True})[0]
+    assert both.prompt_token_ids == [1] + templated
+    # priority reaches the scheduler: with one sequence at a time, the urgent prompt finishes first
+    one = LLM(str(llama_dir), dtype="float32", max_model_len=64, max_num_seqs=1, scheduling_policy="priority")
+    outs = one.chat([conv, conv], greedy(3), use_tqdm=False, priority=[5, -5])
+    assert outs[1].metrics.finished_time < outs[0].metrics.finished_time
+
+
+def test_reset_prefix_cache(llama_dir):
+    llm = LLM(str(llama_dir), dtype="float32", max_model_len=128, block_size=4)
+    ids = {"prompt_token_ids": [(5 * i) % 250 + 3 for i in range(40)]}
+    first = llm.generate(ids, greedy(2), use_tqdm=False)[0]
+    again = llm.generate(ids, greedy(2), use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 36
+    llm.llm_engine.add_request("busy", "x", greedy(2))
+    assert llm.reset_prefix_cache() is False  # a request holds blocks: nothing forgotten
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+    assert llm.generate(ids, greedy(2), use_tqdm=False)[0].num_cached_tokens == 36
+    assert llm.reset_prefix_cache() is True
+    cold = llm.generate(ids, greedy(2), use_tqdm=False)[0]
+    assert cold.num_cached_tokens == 0 and cold.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.generate(ids, greedy(2), use_tqdm=False)[0].num_cached_tokens == 36  # cached again
+
+
 def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     ids = [(7 * i) % 300 + 3 for i in range(300)]  # longer than max_model_len 256
     out = llm.generate({"prompt_token_ids": ids}, greedy(5, truncate_prompt_tokens=40), use_tqdm=False)[0]

@@ -52,6 +52,20 @@ def make_tokenizer(path: Path, kind: str = "bpe"):
     return fast
 
 
+def copy_with_bos_tokenizer(src: Path, dst: Path) -> Path:
+    """A copy of model folder `src` whose tokenizer puts its BOS (<s>, id 1) in front of what it
+    encodes with special tokens, as Llama's do."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    spec = json.loads((dst / "tokenizer.json").read_text())
+    bos, seq = {"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [bos, seq], "pair": [bos, seq, seq],
+                              "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}}  # fmt: skip
+    (dst / "tokenizer.json").write_text(json.dumps(spec))
+    return dst
+
+
 def make_config(arch: str, **over):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 

@@ -284,10 +284,18 @@ class ChatMessage(BaseModel):
     def _unicode(cls, v, info):  # (text parts are checked here: an error inside a union member is unclear)
         return _valid_unicode(v, info.field_name)
 
-    def as_template_dict(self) -> dict[str, Any]:
+    @property
+    def text(self) -> str:
+        """The content as text: text parts one per line (as vLLM joins them)."""
         content = self.content
-        if isinstance(content, list):  # text parts, one per line (vLLM joins them so)
-            content = "\n".join(p.text for p in content)
+        return "\n".join(p.text for p in content) if isinstance(content, list) else content or ""
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """The message for the chat template: text parts stay parts, for apply_chat_template to join
+        or pass on as the template reads them (vLLM's chat_template_content_format "auto")."""
+        content = self.content
+        if isinstance(content, list):
+            content = [{"type": "text", "text": p.text} for p in content]
         d: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             d["name"] = self.name

@@ -108,7 +108,7 @@ class BodyLimitMiddleware:
 def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str | None = None,
               chat_template: str | None = None, metrics_require_key: bool = False,
               max_body_bytes: int = MAX_BODY_BYTES, cors: dict | None = None,
-              trust_request_chat_template: bool = False) -> FastAPI:  # fmt: skip
+              trust_request_chat_template: bool = False, chat_template_content_format: str = "auto") -> FastAPI:  # fmt: skip
     """served_model_name: the name, or names, requests may give (responses and metrics carry the
     first, as vLLM's). cors: None (no CORS headers: browsers on other origins cannot call the API)
     or the keyword arguments of Starlette's CORSMiddleware (allow_origins, allow_methods,
@@ -116,7 +116,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str
     llm = engine.engine
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     served_model_name = names[0]
-    serving = Serving(engine, served_model_name, trust_request_chat_template)
+    serving = Serving(engine, served_model_name, trust_request_chat_template, chat_template_content_format)
     registry = make_registry(llm.get_metrics, served_model_name)
     app = FastAPI(title="arcserve", version=arcserve.__version__,
                   description="OpenAI-compatible API served by arcserve")  # fmt: skip
@@ -308,7 +308,7 @@ def run_server(args, engine_args) -> None:
     try:
         name = args.served_model_name or [os.path.basename(os.path.normpath(engine_args.model))]
         app = build_app(front, name, api_key, template, args.metrics_require_key, args.max_request_body_bytes, cors,
-                        args.trust_request_chat_template)  # fmt: skip
+                        args.trust_request_chat_template, args.chat_template_content_format)  # fmt: skip
         routes = sorted(f"{','.join(sorted(r.methods or []))} {r.path}" for r in app.routes if hasattr(r, "methods"))
         logger.info("Routes: %s", "; ".join(routes))
         logger.info("Serving %s as %s on http://%s:%d (API key %s; CORS %s)", engine_args.model,

@@ -32,8 +32,10 @@ async def off_loop(size: int, fn, *args):
 
 
 class Serving:
-    def __init__(self, engine: AsyncLLM, model_name: str, trust_request_chat_template: bool = False) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str, trust_request_chat_template: bool = False,
+                 chat_template_content_format: str = "auto") -> None:  # fmt: skip
         self.trust_request_chat_template = trust_request_chat_template
+        self.content_format = chat_template_content_format
         self.engine = engine
         self.llm = engine.engine
         self.model_name = model_name
@@ -57,9 +59,10 @@ class Serving:
         rendered off the event loop; a template that fails on them is a 400."""
         messages = [m.as_template_dict() for m in body.messages]
         special = bool(body.add_special_tokens)  # (a tokenize request's None: False for messages, as vLLM)
-        args = (messages, chat_template, body.add_generation_prompt, kwargs, body.continue_final_message, special)
+        args = (messages, chat_template, body.add_generation_prompt, kwargs, body.continue_final_message, special,
+                None, self.content_format)  # fmt: skip
         try:
-            return await off_loop(sum(len(m["content"]) for m in messages), self.llm.apply_chat_template, *args)
+            return await off_loop(sum(len(m.text) for m in body.messages), self.llm.apply_chat_template, *args)
         except ValueError as e:
             raise bad_request(e) from e
 
@@ -321,9 +324,9 @@ class Serving:
         # (an assistant message continued with add_generation_prompt false)
         echo = ""
         if body.echo:
-            last = body.messages[-1].as_template_dict()
-            if not body.add_generation_prompt or last["role"] == "assistant":  # it has the answer's role
-                echo = last["content"]
+            last = body.messages[-1]
+            if not body.add_generation_prompt or last.role == "assistant":  # it has the answer's role
+                echo = last.text
         if body.stream:
             return StreamingResponse(self._stream_chat(streams, rid, created, body.n, len(ids), _usage_mode(body), k,
                                                        echo),

@@ -137,10 +137,13 @@ class LLMEngine(InputProcessor):
         arrival_time: float | None = None,
         priority: int = 0,
         output_kind: RequestOutputKind | None = None,
+        tokenization_kwargs: dict | None = None,
     ) -> None:
         """Validate and queue a request. Raises ValueError (and changes nothing) on bad input.
-        output_kind overrides the params' (without touching the caller's params)."""
-        self.add_prepared(self.prepare_request(request_id, prompt, params, arrival_time, priority, output_kind))
+        output_kind overrides the params' (without touching the caller's params);
+        tokenization_kwargs: {"add_special_tokens": bool} for a text prompt (vLLM's name)."""
+        self.add_prepared(self.prepare_request(request_id, prompt, params, arrival_time, priority, output_kind,
+                                               tokenization_kwargs))  # fmt: skip
 
     def abort_request(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -151,6 +154,13 @@ class LLMEngine(InputProcessor):
             for s in group.seqs:
                 if self.scheduler.finish_request(s.req.request_id, RequestStatus.FINISHED_ABORTED):
                     self._record_finish(s.req)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's name): later requests compute their prompts afresh.
+        Only while no request holds KV blocks; False (nothing changed) otherwise, as in vLLM."""
+        if self.has_unfinished_requests():
+            return False
+        return self.kv.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.outputs.groups)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 
 import numpy as np
@@ -84,20 +85,29 @@ class InputProcessor:
         chat_template_kwargs: dict | None = None,
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
+        tools: list[dict] | None = None,
+        content_format: str = "auto",
     ) -> tuple[str, list[int]]:
         """Render a conversation with the tokenizer's (or the given) chat template; returns
         (text, token ids). The template supplies any BOS token itself (add_special_tokens=True: the
         tokenizer adds its own as well, vLLM's request field). continue_final_message: the
         last message (an assistant's, typically) stays open, so generation continues its text
-        instead of starting a new turn (then add_generation_prompt must be False, as in vLLM)."""
+        instead of starting a new turn (then add_generation_prompt must be False, as in vLLM).
+        tools: tool definitions for the template to render (no tool-call parsing). content_format
+        (vLLM's chat_template_content_format): how a message's list of OpenAI text parts reaches the
+        template: "string" joins the texts, one per line; "openai" passes the parts as they are;
+        "auto" passes them when the template loops over a message's content, else joins them."""
         template = chat_template or self.chat_template
         if template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError(
                 "This model's tokenizer has no chat template; pass one (chat_template=, --chat-template)"
             )
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"Each chat message needs 'role' and 'content'; got {m!r}")
+        if content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai'; got {content_format!r}")
+        if content_format == "auto":
+            source = template or self.tokenizer.chat_template
+            content_format = "openai" if isinstance(source, str) and _LOOPS_OVER_CONTENT.search(source) else "string"
+        messages = [_template_message(m, content_format) for m in messages]
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message must come with add_generation_prompt=false (the last message is "
                              "continued, no new turn is started)")  # fmt: skip
@@ -108,7 +118,7 @@ class InputProcessor:
         try:  # the template runs in transformers' Jinja sandbox, which has no file loader
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template,
-                continue_final_message=continue_final_message, **kwargs,
+                continue_final_message=continue_final_message, tools=tools, **kwargs,
             )  # fmt: skip
         except Exception as e:  # a template that refuses the conversation, or breaks on it: the request's fault
             raise ValueError(f"could not apply the chat template: {type(e).__name__}: {e}") from e
@@ -163,17 +173,20 @@ class InputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
         output_kind: RequestOutputKind | None = None,
+        tokenization_kwargs: dict | None = None,
     ) -> tuple[RequestGroup, list[Request]]:
         """Tokenize and validate a request without touching engine state (safe from any thread).
-        The request gets its own copy of params (with output_kind, when given). Raises ValueError
-        naming what is wrong."""
+        The request gets its own copy of params (with output_kind, when given). tokenization_kwargs
+        (vLLM's name): {"add_special_tokens": False} encodes a text prompt without the tokenizer's
+        BOS. Raises ValueError naming what is wrong."""
         if priority != 0 and self.args.scheduling_policy != "priority":  # (vLLM refuses it too)
             raise ValueError(f"priority {priority} needs scheduling_policy='priority' (--scheduling-policy "
                              f"priority); this engine runs {self.args.scheduling_policy!r}")  # fmt: skip
         params = params or self.default_sampling_params()
+        special = add_special_tokens(tokenization_kwargs)
         from_text = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
-        text, ids = self.truncate_prompt(*self.tokenize_prompt(prompt), params.truncate_prompt_tokens,
-                                         params.max_tokens, from_text)  # fmt: skip
+        text, ids = self.truncate_prompt(*self.tokenize_prompt(prompt, special), params.truncate_prompt_tokens,
+                                         params.max_tokens, from_text and special)  # fmt: skip
         params = params.clone()
         params._eos_token_ids, params._eos_token_id = self.eos_token_ids, self.tokenizer.eos_token_id
         if params.bad_words:
@@ -232,6 +245,43 @@ def _int_list(ids) -> list[int]:
     if arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu":
         return arr.tolist()
     return [int(t) for t in ids]
+
+
+def add_special_tokens(tokenization_kwargs: dict | None, default: bool = True) -> bool:
+    """add_special_tokens of vLLM's tokenization_kwargs (`default` when absent: True for text
+    prompts, False for chat templates, which put their own in); other keys are refused."""
+    kw = dict(tokenization_kwargs or {})
+    special = kw.pop("add_special_tokens", default)
+    if kw or not isinstance(special, bool):
+        raise ValueError(f"tokenization_kwargs takes add_special_tokens (a bool) only; got {tokenization_kwargs!r}")
+    return special
+
+
+# A template that iterates over a message's content expects OpenAI's parts (vLLM's "auto" detection
+# reads the template's syntax tree for the same loop).
+_LOOPS_OVER_CONTENT = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+(\[\s*['\"]content['\"]\s*\]|\.content)(?!\w)")
+
+
+def _template_message(m, content_format: str) -> dict:
+    """A chat message as the template gets it: text parts joined (content_format "string") or kept;
+    a message without content (an assistant's tool calls) gets "" for templates that read it."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ValueError(f"Each chat message needs a 'role' and 'content'; got {m!r}")
+    content = m.get("content")
+    if content is None and "content" not in m and not m.get("tool_calls"):
+        raise ValueError(f"Each chat message needs a 'role' and 'content'; got {m!r}")
+    if isinstance(content, list):
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ValueError(f"message content parts must be text parts ({{'type': 'text', 'text': ...}}; "
+                                 f"arcserve takes no images or audio); got {part!r}")  # fmt: skip
+        if content_format == "string":
+            m = {**m, "content": "\n".join(p["text"] for p in content)}
+    elif content is None:
+        m = {**m, "content": ""}
+    elif not isinstance(content, str):
+        raise ValueError(f"message content must be a string or a list of text parts; got {type(content).__name__}")
+    return m
 
 
 # apply_chat_template's own parameters: a request's chat_template_kwargs may not set them

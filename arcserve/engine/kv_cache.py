@@ -84,6 +84,11 @@ class BlockPool:
     def lookup(self, h: bytes) -> int | None:
         return self.cached.get(h)
 
+    def forget_hashes(self) -> None:
+        """Drop every block's prefix hash (the blocks stay where they are, free or held)."""
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+
 
 class KVCacheManager:
     """Per-request block tables on top of a BlockPool."""
@@ -101,6 +106,13 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.pool.usage()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; only while no request holds blocks (False otherwise)."""
+        if self.blocks:
+            return False
+        self.pool.forget_hashes()
+        return True
 
     def block_table(self, request_id: str) -> list[int]:
         return self.blocks[request_id]

@@ -5,12 +5,10 @@ tokenize/detokenize, health/ping/version and the Prometheus counters."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import httpx
 import openai
 import pytest
+from tiny_models import copy_with_bos_tokenizer
 
 from .helpers import MODEL, serve, sse_data
 
@@ -270,6 +268,31 @@ def test_chat_text_parts_one_per_line(server):
     joined = [{"role": "user", "content": "Translate this:\nBonjour"}]
     ids = [server.post("/tokenize", json={"model": MODEL, "messages": m}).json()["tokens"] for m in (parts, joined)]
     assert ids[0] == ids[1]
+
+
+def test_chat_text_parts_as_the_template_reads_them(llama_dir):
+    """A template that loops over a message's content gets the text parts as parts (vLLM's
+    --chat-template-content-format auto); "string" joins them for it, "openai" passes them on."""
+    from arcserve.api.server import read_chat_template
+
+    looping = read_chat_template("{% for m in messages %}[{% for p in m['content'] %}({{ p.text }}){% endfor %}]"
+                                 "{% endfor %}")  # fmt: skip
+    printing = read_chat_template("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Translate"}, {"type": "text", "text": "Bonjour"}]}]
+
+    def rendered(s) -> list[int]:
+        return s.post("/tokenize", json={"model": MODEL, "messages": parts}).json()["tokens"]
+
+    def text_ids(s, text: str) -> list[int]:
+        return s.post("/tokenize", json={"model": MODEL, "prompt": text, "add_special_tokens": False}).json()["tokens"]
+
+    with serve(llama_dir, app_kw={"chat_template": looping}) as s:
+        assert rendered(s) == text_ids(s, "[(Translate)(Bonjour)]")
+    with serve(llama_dir, app_kw={"chat_template": printing, "chat_template_content_format": "string"}) as s:
+        assert rendered(s) == text_ids(s, "[Translate\nBonjour]")
+    with serve(llama_dir, app_kw={"chat_template": printing, "chat_template_content_format": "openai"}) as s:
+        parts_repr = str([{"type": "text", "text": "Translate"}, {"type": "text", "text": "Bonjour"}])
+        assert rendered(s) == text_ids(s, f"[{parts_repr}]")
 
 
 def test_request_chat_template_needs_trust(server, llama_dir):
@@ -660,13 +683,7 @@ def test_tokenize_detokenize(server, hf):
 @pytest.fixture(scope="module")
 def bos_server(llama_dir, tmp_path_factory):
     """The tiny llama with a tokenizer that puts a BOS in front of what it encodes (Llama-style)."""
-    d = tmp_path_factory.mktemp("bos") / "llama"
-    shutil.copytree(llama_dir, d)
-    spec = json.loads((d / "tokenizer.json").read_text())
-    spec["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
-                              {"Sequence": {"id": "A", "type_id": 0}}], "pair": [{"Sequence": {"id": "A", "type_id": 0}}],
-                              "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}}  # fmt: skip
-    (d / "tokenizer.json").write_text(json.dumps(spec))
+    d = copy_with_bos_tokenizer(llama_dir, tmp_path_factory.mktemp("bos") / "llama")
     with serve(d) as s:
         yield s
 

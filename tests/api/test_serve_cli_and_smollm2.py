@@ -30,12 +30,13 @@ def test_cli_serve_subprocess(llama_dir, tmp_path):
 
 def test_cli_serve_vllm_flags(llama_dir, tmp_path):
     """vLLM's spellings: --model as a flag, several --served-model-name (responses carry the first),
-    a readable --max-model-len, an inline --chat-template."""
+    a readable --max-model-len, an inline --chat-template, --chat-template-content-format."""
     from transformers import AutoTokenizer
 
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
     flags = ("--model", str(llama_dir), "--served-model-name", "main", "alias", "--max-model-len", "0.25K",
-             "--num-gpu-blocks-override", "256", "--chat-template", template, "--log-level", "warning")  # fmt: skip
+             "--num-gpu-blocks-override", "256", "--chat-template", template, "--chat-template-content-format",
+             "openai", "--log-level", "warning")  # fmt: skip
     with cli_server(llama_dir, tmp_path / "serve.log", *flags) as (_, base):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
         models = client.models.list().data
@@ -43,7 +44,11 @@ def test_cli_serve_vllm_flags(llama_dir, tmp_path):
         r = client.chat.completions.create(model="alias", messages=[{"role": "user", "content": "hi there"}],
                                            max_tokens=1, temperature=0)  # fmt: skip
         assert r.model == "main"
-        assert r.usage.prompt_tokens == len(AutoTokenizer.from_pretrained(llama_dir).encode("<user>hi there"))
+        tok = AutoTokenizer.from_pretrained(llama_dir)
+        assert r.usage.prompt_tokens == len(tok.encode("<user>hi there"))
+        parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
+        r = client.chat.completions.create(model="main", messages=[{"role": "user", "content": parts}], max_tokens=1)
+        assert r.usage.prompt_tokens == len(tok.encode(f"<user>{parts}"))  # the parts as they are ("openai")
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="other", prompt="x", max_tokens=1)
 
