@@ -71,6 +71,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"model": DRAFT_DIR, "num_speculative_tokens": 4}\'')  # fmt: skip
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats line (throughput, running and waiting requests, KV cache usage)")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -127,6 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat-template-content-format", choices=["auto", "string", "openai"], default="auto",
                    help="messages' text parts reach the template joined (string) or as parts (openai); auto: "
                         "as parts when the template loops over a message's content")  # fmt: skip
+    s.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request as it arrives: prompt, token ids and sampling parameters")  # fmt: skip
+    s.add_argument("--disable-log-requests", action="store_true",
+                   help="vLLM's older flag; requests are not logged unless --enable-log-requests")  # fmt: skip
+    s.add_argument("--max-log-len", type=int, default=None,
+                   help="with --enable-log-requests: the most prompt characters and token ids logged")  # fmt: skip
+    s.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own log level (default: --log-level)")  # fmt: skip
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="answer 503 while this many requests are waiting")  # fmt: skip
     s.add_argument("--shutdown-timeout", type=float, default=30.0,

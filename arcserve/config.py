@@ -92,6 +92,7 @@ class EngineArgs:
     speculative_config: Any = None
     trust_remote_code: bool = False  # tokenizers only: run a tokenizer's own code (models are arcserve's)
     tensor_parallel_size: int = 1  # vLLM's; arcserve runs a model on one device
+    disable_log_stats: bool = False  # no periodic stats line (engine/stat_logger.py); LLM() defaults to True
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:

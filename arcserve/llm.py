@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from arcserve.config import EngineArgs
 from arcserve.engine.engine import LLMEngine
 from arcserve.engine.inputs import add_special_tokens as _add_special_tokens
+from arcserve.engine.stat_logger import StatLogger
 from arcserve.outputs import RequestOutput
 from arcserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -30,8 +31,13 @@ class LLM:
             raise TypeError(
                 f"LLM() got unknown arguments {sorted(unknown)}; known: {sorted(EngineArgs.field_names())}"
             )
+        kwargs.setdefault("disable_log_stats", True)  # vLLM's LLM default: the progress bar says enough
         self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self._ids = itertools.count()
+        self._stats = None
+        if not self.llm_engine.args.disable_log_stats:
+            label = "CPU" if self.llm_engine.device.type == "cpu" else "GPU"
+            self._stats = StatLogger(self.get_metrics, label)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
@@ -48,14 +54,18 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         return self.llm_engine.default_sampling_params()
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix (vLLM's name); False when requests are in flight."""
-        return self.llm_engine.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached prefix (vLLM's name and arguments); False, changing nothing, while a
+        request holds KV blocks, unless reset_running_requests (then their blocks are forgotten too:
+        later requests do not reuse them). reset_connector: arcserve has no KV connector, so there is
+        nothing else to reset."""
+        return self.llm_engine.reset_prefix_cache(reset_running_requests)
 
     def generate(
         self,
         prompts,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
         use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request=None,
         priority: int | Sequence[int] | None = None,
@@ -72,8 +82,8 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = _per_prompt(sampling_params, SamplingParams, len(prompts), "sampling_params")
-        prios = _per_prompt(0 if priority is None else priority, int, len(prompts), "priority")
+        params = _per_prompt(sampling_params, len(prompts), "sampling_params")
+        prios = _per_prompt(0 if priority is None else priority, len(prompts), "priority")
         return self._run(prompts, params, prios, use_tqdm, tokenization_kwargs)
 
     def chat(
@@ -124,15 +134,22 @@ class LLM:
             engine.abort_request(ids)  # leave nothing half-started
             raise
         results: dict[str, RequestOutput] = {}
-        make_bar = use_tqdm if callable(use_tqdm) else tqdm
-        bar = make_bar(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        bar = None
+        if use_tqdm:  # a factory (vLLM's callable use_tqdm) gets tqdm's arguments but `disable`
+            bar = (use_tqdm if callable(use_tqdm) else tqdm)(total=len(ids), desc="Processed prompts",
+                                                              dynamic_ncols=True)  # fmt: skip
         start = time.perf_counter()
         in_tok = out_tok = 0
         try:
             while engine.has_unfinished_requests():
-                for out in engine.step():
+                outs = engine.step()
+                if self._stats is not None:
+                    self._stats.maybe_log()
+                for out in outs:
                     if out.finished:
                         results[out.request_id] = out
+                        if bar is None:
+                            continue
                         in_tok += len(out.prompt_token_ids)
                         out_tok += sum(len(o.token_ids) for o in out.outputs)
                         elapsed = time.perf_counter() - start
@@ -144,7 +161,8 @@ class LLM:
             engine.abort_request(ids)
             raise
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
         return [results[i] for i in ids]
 
 
@@ -153,9 +171,9 @@ def _no_lora(lora_request) -> None:
         raise ValueError("LoRA adapters are not supported by arcserve (lora_request must be None)")
 
 
-def _per_prompt(value, kind: type, n: int, name: str) -> list:
-    """One value for every prompt, or a sequence of one per prompt."""
-    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+def _per_prompt(value, n: int, name: str) -> list:
+    """A sequence: one value per prompt; anything else: the value for every prompt (vLLM's rule)."""
+    if not isinstance(value, Sequence) or isinstance(value, str):
         return [value] * n
     values = list(value)
     if len(values) != n:

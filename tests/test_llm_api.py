@@ -117,21 +117,26 @@ def test_chat_template(llm):
 
 
 def test_chat_content_parts_tools_and_formats(llm):
-    """OpenAI text parts reach a string template joined one per line and a template that loops over
-    the content as parts (vLLM's chat_template_content_format "auto"); tools reach the template."""
-    parts = [{"type": "text", "text": "be"}, {"type": "text", "text": "brief"}]
+    """Content reaches the template as vLLM's chat_template_content_format says: "string" joins text
+    parts one per line (empty ones left out), "openai" gives parts (a string as one part); "auto"
+    reads the template for a loop over a message's content; tool results are always text; tools
+    reach the template."""
+    parts = [{"type": "text", "text": "be"}, {"type": "text", "text": ""}, {"type": "text", "text": "brief"}]
     conv = [{"role": "user", "content": parts}]
     joined = llm.chat(conv, greedy(2), use_tqdm=False)[0]
     assert joined.prompt == "<s>user\nbe\nbrief</s>\n<s>assistant\n"
     looping = "{% for m in messages %}[{% for p in m['content'] %}({{ p.text }}){% endfor %}]{% endfor %}"
     for fmt in ("auto", "openai"):
-        out = llm.chat(conv, greedy(2), use_tqdm=False, chat_template=looping, chat_template_content_format=fmt)
-        assert out[0].prompt == "[(be)(brief)]"
-    printing = "{{ messages[0]['content'] }}"
-    out = llm.chat(conv, greedy(2), use_tqdm=False, chat_template=printing, chat_template_content_format="string")
-    assert out[0].prompt == "be\nbrief"
-    out = llm.chat(conv, greedy(2), use_tqdm=False, chat_template=printing, chat_template_content_format="openai")
-    assert out[0].prompt == str(parts)  # the parts as they are
+        out = llm.chat(conv + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": None}], greedy(2),
+                       use_tqdm=False, chat_template=looping, chat_template_content_format=fmt)  # fmt: skip
+        assert out[0].prompt == "[(be)()(brief)][(ok)][]"
+    printing = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    conv2 = conv + [{"role": "user"}, {"role": "tool", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    out = llm.chat(conv2, greedy(2), use_tqdm=False, chat_template=printing, chat_template_content_format="string")
+    assert out[0].prompt == "[be\nbrief][][a\nb]"
+    out = llm.chat(conv2, greedy(2), use_tqdm=False, chat_template=printing, chat_template_content_format="openai")
+    assert out[0].prompt == f"[{parts}][[]][a\nb]"  # parts as they are; a tool result as text
+    assert llm.chat(conv, greedy(2), use_tqdm=False, chat_template_content_format="string")[0].prompt == joined.prompt
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     with_tools = "{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[0]['content'] }}"
     out = llm.chat([{"role": "user", "content": "hi"}], greedy(2), use_tqdm=False, chat_template=with_tools,
@@ -141,14 +146,39 @@ def test_chat_content_parts_tools_and_formats(llm):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy(2))
     with pytest.raises(ValueError, match="chat_template_content_format"):
         llm.chat(conv, greedy(2), chat_template_content_format="json")
-    with pytest.raises(ValueError, match="'role' and 'content'"):
-        llm.chat([{"role": "user"}], greedy(2))
+    with pytest.raises(ValueError, match="needs a 'role'"):
+        llm.chat([{"content": "hi"}], greedy(2))
+
+
+def test_content_format_detection():
+    """"openai" exactly when the template loops over a message's content (directly, through a variable
+    set from it, or a macro parameter that receives it); a loop over anything else is no sign."""
+    from arcserve.engine.chat_content import detect_content_format as detect
+
+    each = "{% for m in messages %}BODY{% endfor %}"
+    openai = ["{% for p in m['content'] %}{{ p.text }}{% endfor %}",
+              "{% for p in m.content if p.type == 'text' %}{{ p.text }}{% endfor %}",
+              "{% set c = m.content %}{% for p in c %}{{ p.text }}{% endfor %}",
+              "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}{% endfor %}{% endif %}"]
+    string = ["{{ m['content'] }}", "{% for line in m['content'].split('\\n') %}{{ line }}{% endfor %}",
+              "{% for t in tools %}{% for p in t.content %}{% endfor %}{% endfor %}",
+              "{% generation %}{{ m.content }}{% endgeneration %}"]  # fmt: skip
+    for body in openai:
+        assert detect(each.replace("BODY", body)) == "openai", body
+    for body in string:
+        assert detect(each.replace("BODY", body)) == "string", body
+    macro = "{% macro show(c) %}{% for p in c %}{{ p.text }}{% endfor %}{% endmacro %}"
+    assert detect(macro + "{% for m in messages[1:] %}{{ show(m.content) }}{% endfor %}") == "openai"
+    assert detect(macro + "{% for m in messages %}{{ show(m.role) }}{% endfor %}") == "string"
+    assert detect("{{ not closed") == "string"
 
 
 def test_vllm_call_forms(llm, llama_dir, tmp_path):
     """vLLM's generate/chat keywords: one priority for all prompts, a progress-bar factory,
     tokenization_kwargs, lora_request (refused: no adapters)."""
+    import numpy as np
     from tiny_models import copy_with_bos_tokenizer
+    from tqdm import tqdm as tqdm_off
 
     made = []
 
@@ -160,8 +190,12 @@ def test_vllm_call_forms(llm, llama_dir, tmp_path):
 
     outs = llm.generate(["a", "b"], greedy(2), use_tqdm=bar, priority=0)
     assert made == [2] and len(outs) == 2
+    assert len(llm.generate(["a", "b"], greedy(2), use_tqdm=lambda **kw: tqdm_off(**kw, disable=True))) == 2
+    assert len(llm.generate(["a", "b"], greedy(2), use_tqdm=False, priority=np.int64(0))) == 2  # one for all
     with pytest.raises(ValueError, match="Got 3 priority for 2 prompts"):
         llm.generate(["a", "b"], greedy(2), priority=[0, 0, 0])
+    with pytest.raises(TypeError):  # keyword-only after sampling_params, as vLLM's
+        llm.generate(["a"], greedy(2), False)
     with pytest.raises(ValueError, match="LoRA"):
         llm.generate("a", greedy(2), lora_request=object())
     with pytest.raises(ValueError, match="tokenization_kwargs takes add_special_tokens"):
@@ -190,15 +224,26 @@ def test_reset_prefix_cache(llama_dir):
     first = llm.generate(ids, greedy(2), use_tqdm=False)[0]
     again = llm.generate(ids, greedy(2), use_tqdm=False)[0]
     assert first.num_cached_tokens == 0 and again.num_cached_tokens == 36
-    llm.llm_engine.add_request("busy", "x", greedy(2))
-    assert llm.reset_prefix_cache() is False  # a request holds blocks: nothing forgotten
-    while llm.llm_engine.has_unfinished_requests():
-        llm.llm_engine.step()
+    engine = llm.llm_engine
+    engine.add_request("waiting", "x", greedy(2))  # waiting: holds no blocks yet
+    assert not engine.kv.blocks and llm.reset_prefix_cache() is True  # (vLLM's rule: blocks in use count)
+    engine.step()
+    assert engine.kv.blocks and llm.reset_prefix_cache() is False  # a request holds blocks: nothing forgotten
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.generate(ids, greedy(2), use_tqdm=False)[0].num_cached_tokens == 0  # the first reset took it
     assert llm.generate(ids, greedy(2), use_tqdm=False)[0].num_cached_tokens == 36
     assert llm.reset_prefix_cache() is True
     cold = llm.generate(ids, greedy(2), use_tqdm=False)[0]
     assert cold.num_cached_tokens == 0 and cold.outputs[0].token_ids == first.outputs[0].token_ids
     assert llm.generate(ids, greedy(2), use_tqdm=False)[0].num_cached_tokens == 36  # cached again
+    # reset_running_requests: the running request's blocks are forgotten too
+    engine.add_request("running", ids, greedy(4))
+    engine.step()
+    assert llm.reset_prefix_cache(reset_running_requests=True, reset_connector=True) is True
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.generate(ids, greedy(2), use_tqdm=False)[0].num_cached_tokens == 0
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
@@ -415,6 +460,12 @@ def test_generation_config_defaults(tmp_path, llama_dir):
     assert out.token_ids == [2] and (out.finish_reason, out.stop_reason) == ("stop", None)  # the tokenizer's
     out = llm.generate("x", greedy(3, logit_bias={7: 100.0}, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == [7, 7, 7] and (out.finish_reason, out.stop_reason) == ("length", None)
+    # generation_config="vllm": SamplingParams' own defaults, the model's EOS ids all the same (as vLLM)
+    plain = LLM(str(d), max_model_len=64, generation_config="vllm")
+    sp = plain.get_default_sampling_params()
+    assert (sp.temperature, sp.top_p, sp.top_k) == (1.0, 1.0, -1) and plain.llm_engine.eos_token_ids == {2, 7}
+    out = plain.generate("x", greedy(6, logit_bias={7: 100.0}), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [7] and out.stop_reason == 7
 
 
 def test_get_metrics_counts_exactly(llama_dir):

@@ -291,12 +291,12 @@ class ChatMessage(BaseModel):
         return "\n".join(p.text for p in content) if isinstance(content, list) else content or ""
 
     def as_template_dict(self) -> dict[str, Any]:
-        """The message for the chat template: text parts stay parts, for apply_chat_template to join
-        or pass on as the template reads them (vLLM's chat_template_content_format "auto")."""
+        """The message as given, for apply_chat_template to shape as the template reads it (text or
+        parts: engine/chat_content.py)."""
         content = self.content
         if isinstance(content, list):
             content = [{"type": "text", "text": p.text} for p in content]
-        d: dict[str, Any] = {"role": self.role, "content": content or ""}
+        d: dict[str, Any] = {"role": self.role, "content": content}
         if self.name:
             d["name"] = self.name
         if self.tool_call_id is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import hmac
 import json
@@ -30,6 +32,7 @@ from arcserve.engine.async_engine import (
     RequestFailed,
     ServerShuttingDown,
 )
+from arcserve.engine.stat_logger import StatLogger
 from arcserve.platform import cpu_threads_for_engine, resolve_device
 
 logger = logging.getLogger("arcserve")
@@ -108,17 +111,40 @@ class BodyLimitMiddleware:
 def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str | None = None,
               chat_template: str | None = None, metrics_require_key: bool = False,
               max_body_bytes: int = MAX_BODY_BYTES, cors: dict | None = None,
-              trust_request_chat_template: bool = False, chat_template_content_format: str = "auto") -> FastAPI:  # fmt: skip
+              trust_request_chat_template: bool = False, chat_template_content_format: str = "auto",
+              log_stats: str | None = None, log_requests: bool = False, max_log_len: int | None = None) -> FastAPI:  # fmt: skip
     """served_model_name: the name, or names, requests may give (responses and metrics carry the
     first, as vLLM's). cors: None (no CORS headers: browsers on other origins cannot call the API)
     or the keyword arguments of Starlette's CORSMiddleware (allow_origins, allow_methods,
-    allow_headers, allow_credentials)."""
+    allow_headers, allow_credentials). log_stats: the KV cache's device label ("CPU", "GPU") for
+    the periodic stats line (engine/stat_logger.py), None for none. log_requests, max_log_len:
+    Serving's."""
     llm = engine.engine
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     served_model_name = names[0]
-    serving = Serving(engine, served_model_name, trust_request_chat_template, chat_template_content_format)
+    serving = Serving(engine, served_model_name, trust_request_chat_template, chat_template_content_format,
+                      log_requests, max_log_len)  # fmt: skip
     registry = make_registry(llm.get_metrics, served_model_name)
-    app = FastAPI(title="arcserve", version=arcserve.__version__,
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        task = None
+        if log_stats is not None:
+            stats = StatLogger(llm.get_metrics, log_stats)
+
+            async def every_interval() -> None:
+                while True:
+                    await asyncio.sleep(stats.interval)
+                    stats.log()
+
+            task = asyncio.create_task(every_interval())
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+
+    app = FastAPI(title="arcserve", version=arcserve.__version__, lifespan=lifespan,
                   description="OpenAI-compatible API served by arcserve")  # fmt: skip
     created = int(time.time())
 
@@ -307,8 +333,10 @@ def run_server(args, engine_args) -> None:
     server = None
     try:
         name = args.served_model_name or [os.path.basename(os.path.normpath(engine_args.model))]
+        stats = None if engine_args.disable_log_stats else ("CPU" if device.type == "cpu" else "GPU")
         app = build_app(front, name, api_key, template, args.metrics_require_key, args.max_request_body_bytes, cors,
-                        args.trust_request_chat_template, args.chat_template_content_format)  # fmt: skip
+                        args.trust_request_chat_template, args.chat_template_content_format, stats,
+                        args.enable_log_requests, args.max_log_len)  # fmt: skip
         routes = sorted(f"{','.join(sorted(r.methods or []))} {r.path}" for r in app.routes if hasattr(r, "methods"))
         logger.info("Routes: %s", "; ".join(routes))
         logger.info("Serving %s as %s on http://%s:%d (API key %s; CORS %s)", engine_args.model,
@@ -317,7 +345,8 @@ def run_server(args, engine_args) -> None:
         # uvicorn re-raises the signal that stopped it once it is done: a no-op handler makes
         # SIGTERM's graceful shutdown end in exit status 0.
         signal.signal(signal.SIGTERM, lambda *_: None)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5,
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
+                                timeout_keep_alive=5,
                                 timeout_graceful_shutdown=args.shutdown_timeout + 5)  # fmt: skip
         server = DrainingServer(config, front, args.shutdown_timeout)
         server.run()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,11 +32,18 @@ async def off_loop(size: int, fn, *args):
     return fn(*args) if size < OFFLOAD_CHARS else await asyncio.to_thread(fn, *args)
 
 
+logger = logging.getLogger("arcserve")
+
+
 class Serving:
     def __init__(self, engine: AsyncLLM, model_name: str, trust_request_chat_template: bool = False,
-                 chat_template_content_format: str = "auto") -> None:  # fmt: skip
+                 chat_template_content_format: str = "auto", log_requests: bool = False,
+                 max_log_len: int | None = None) -> None:  # fmt: skip
+        """log_requests: log each request as it arrives (vLLM's --enable-log-requests), its prompt
+        text and ids cut to max_log_len characters and ids (None: whole)."""
         self.trust_request_chat_template = trust_request_chat_template
         self.content_format = chat_template_content_format
+        self.log_requests, self.max_log_len = log_requests, max_log_len
         self.engine = engine
         self.llm = engine.engine
         self.model_name = model_name
@@ -70,6 +78,12 @@ class Serving:
         """Queue one engine request per prompt; all or nothing (a bad prompt aborts the others)."""
         base = f"{uuid.uuid4().hex}"
         items = [(p, params_for(p), f"{base}-{i}") for i, p in enumerate(prompts)]
+        if self.log_requests:
+            cut = slice(self.max_log_len)
+            for p, params, rid in items:
+                text = p.get("prompt")
+                logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", rid,
+                            None if text is None else text[cut], params, p["prompt_token_ids"][cut])  # fmt: skip
         try:
             return self.engine.add_requests(items, priority, stream)
         except ValueError as e:

@@ -155,12 +155,12 @@ class LLMEngine(InputProcessor):
                 if self.scheduler.finish_request(s.req.request_id, RequestStatus.FINISHED_ABORTED):
                     self._record_finish(s.req)
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached prefix (vLLM's name): later requests compute their prompts afresh.
-        Only while no request holds KV blocks; False (nothing changed) otherwise, as in vLLM."""
-        if self.has_unfinished_requests():
-            return False
-        return self.kv.reset_prefix_cache()
+        While requests hold KV blocks: False, changing nothing (vLLM's rule), or with
+        reset_running_requests their blocks' hashes go too (they keep their own KV: vLLM recomputes
+        it because its weights may have changed, which arcserve's never do)."""
+        return self.kv.reset_prefix_cache(reset_running_requests)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.outputs.groups)

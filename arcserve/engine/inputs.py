@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 
 import numpy as np
 
 from arcserve.config import EngineArgs
+from arcserve.engine.chat_content import template_messages
 from arcserve.engine.output_processor import RequestGroup
 from arcserve.engine.request import Request
 from arcserve.models.config import ModelConfig
@@ -94,20 +94,14 @@ class InputProcessor:
         last message (an assistant's, typically) stays open, so generation continues its text
         instead of starting a new turn (then add_generation_prompt must be False, as in vLLM).
         tools: tool definitions for the template to render (no tool-call parsing). content_format
-        (vLLM's chat_template_content_format): how a message's list of OpenAI text parts reaches the
-        template: "string" joins the texts, one per line; "openai" passes the parts as they are;
-        "auto" passes them when the template loops over a message's content, else joins them."""
+        (vLLM's chat_template_content_format): how messages' content reaches the template, as text
+        or as OpenAI parts (chat_content.py)."""
         template = chat_template or self.chat_template
         if template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError(
                 "This model's tokenizer has no chat template; pass one (chat_template=, --chat-template)"
             )
-        if content_format not in ("auto", "string", "openai"):
-            raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai'; got {content_format!r}")
-        if content_format == "auto":
-            source = template or self.tokenizer.chat_template
-            content_format = "openai" if isinstance(source, str) and _LOOPS_OVER_CONTENT.search(source) else "string"
-        messages = [_template_message(m, content_format) for m in messages]
+        messages = template_messages(messages, content_format, template or self.tokenizer.chat_template)
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message must come with add_generation_prompt=false (the last message is "
                              "continued, no new turn is started)")  # fmt: skip
@@ -255,33 +249,6 @@ def add_special_tokens(tokenization_kwargs: dict | None, default: bool = True) -
     if kw or not isinstance(special, bool):
         raise ValueError(f"tokenization_kwargs takes add_special_tokens (a bool) only; got {tokenization_kwargs!r}")
     return special
-
-
-# A template that iterates over a message's content expects OpenAI's parts (vLLM's "auto" detection
-# reads the template's syntax tree for the same loop).
-_LOOPS_OVER_CONTENT = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+(\[\s*['\"]content['\"]\s*\]|\.content)(?!\w)")
-
-
-def _template_message(m, content_format: str) -> dict:
-    """A chat message as the template gets it: text parts joined (content_format "string") or kept;
-    a message without content (an assistant's tool calls) gets "" for templates that read it."""
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise ValueError(f"Each chat message needs a 'role' and 'content'; got {m!r}")
-    content = m.get("content")
-    if content is None and "content" not in m and not m.get("tool_calls"):
-        raise ValueError(f"Each chat message needs a 'role' and 'content'; got {m!r}")
-    if isinstance(content, list):
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise ValueError(f"message content parts must be text parts ({{'type': 'text', 'text': ...}}; "
-                                 f"arcserve takes no images or audio); got {part!r}")  # fmt: skip
-        if content_format == "string":
-            m = {**m, "content": "\n".join(p["text"] for p in content)}
-    elif content is None:
-        m = {**m, "content": ""}
-    elif not isinstance(content, str):
-        raise ValueError(f"message content must be a string or a list of text parts; got {type(content).__name__}")
-    return m
 
 
 # apply_chat_template's own parameters: a request's chat_template_kwargs may not set them

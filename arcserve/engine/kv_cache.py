@@ -107,9 +107,10 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage()
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix; only while no request holds blocks (False otherwise)."""
-        if self.blocks:
+    def reset_prefix_cache(self, held_too: bool = False) -> bool:
+        """Forget every cached prefix; while requests hold blocks, only when held_too (False, nothing
+        changed, otherwise). A holder's blocks hashed before stay unhashed; later ones get hashes."""
+        if self.blocks and not held_too:
             return False
         self.pool.forget_hashes()
         return True

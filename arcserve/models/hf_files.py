@@ -39,13 +39,12 @@ class GenerationDefaults:
 
 def load_generation_defaults(source: str, model_dir: str) -> GenerationDefaults:
     """source: "auto" (the model folder), a folder holding generation_config.json, or "vllm"
-    (ignore the model's defaults and use SamplingParams' own)."""
-    if source == "vllm":
-        return GenerationDefaults()
-    folder = model_dir if source == "auto" else source
+    (ignore the model's sampling defaults and use SamplingParams' own; its EOS ids still count, as
+    in vLLM)."""
+    folder = model_dir if source in ("auto", "vllm") else source
     path = os.path.join(folder, "generation_config.json")
     if not os.path.isfile(path):
-        if source != "auto":
+        if source not in ("auto", "vllm"):
             raise FileNotFoundError(f"--generation-config {source}: no generation_config.json there")
         return GenerationDefaults()
     with open(path) as f:
@@ -53,6 +52,8 @@ def load_generation_defaults(source: str, model_dir: str) -> GenerationDefaults:
     eos = g.get("eos_token_id")
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     sampling = {ours: g[theirs] for theirs, ours in _SAMPLING_KEYS.items() if g.get(theirs) is not None}
+    if source == "vllm":
+        sampling = {}
     if sampling.get("top_k") == 0:
         sampling["top_k"] = -1
     return GenerationDefaults(eos_token_ids=eos_ids, sampling=sampling)

@@ -288,6 +288,8 @@ def test_chat_text_parts_as_the_template_reads_them(llama_dir):
 
     with serve(llama_dir, app_kw={"chat_template": looping}) as s:
         assert rendered(s) == text_ids(s, "[(Translate)(Bonjour)]")
+        plain = s.post("/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        assert plain.json()["tokens"] == text_ids(s, "[(hi)]")  # a string as one text part
     with serve(llama_dir, app_kw={"chat_template": printing, "chat_template_content_format": "string"}) as s:
         assert rendered(s) == text_ids(s, "[Translate\nBonjour]")
     with serve(llama_dir, app_kw={"chat_template": printing, "chat_template_content_format": "openai"}) as s:

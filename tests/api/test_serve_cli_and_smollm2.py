@@ -45,12 +45,37 @@ def test_cli_serve_vllm_flags(llama_dir, tmp_path):
                                            max_tokens=1, temperature=0)  # fmt: skip
         assert r.model == "main"
         tok = AutoTokenizer.from_pretrained(llama_dir)
-        assert r.usage.prompt_tokens == len(tok.encode("<user>hi there"))
+        # "openai": the content as parts, a string as one text part
+        assert r.usage.prompt_tokens == len(tok.encode(f"<user>{[{'type': 'text', 'text': 'hi there'}]}"))
         parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
         r = client.chat.completions.create(model="main", messages=[{"role": "user", "content": parts}], max_tokens=1)
-        assert r.usage.prompt_tokens == len(tok.encode(f"<user>{parts}"))  # the parts as they are ("openai")
+        assert r.usage.prompt_tokens == len(tok.encode(f"<user>{parts}"))
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="other", prompt="x", max_tokens=1)
+
+
+def test_cli_serve_logging_flags(llama_dir, tmp_path):
+    """vLLM's logging flags: the periodic stats line unless --disable-log-stats, each request logged with
+    --enable-log-requests (prompt and ids cut to --max-log-len), uvicorn's level apart from ours."""
+    env = {"ARCSERVE_LOG_STATS_INTERVAL": "0.2"}
+    body = {"prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
+    for flags in (("--enable-log-requests", "--max-log-len", "5"),
+                  ("--disable-log-stats", "--disable-log-requests", "--uvicorn-log-level", "error")):  # fmt: skip
+        log = tmp_path / f"serve{len(flags)}.log"
+        with cli_server(llama_dir, log, "--max-model-len", "256", "--num-kv-blocks", "64", *flags, env=env) as (_, base):
+            assert httpx.post(f"{base}/v1/completions", json={"model": str(llama_dir), **body}, timeout=60).status_code == 200
+            time.sleep(0.6)  # a few stats intervals
+        text = log.read_text(errors="replace")
+        logged = flags[0] == "--enable-log-requests"
+        assert ("Avg generation throughput: " in text) == logged, text
+        assert ("CPU KV cache usage: " in text) == logged
+        assert ("Received request " in text) == logged
+        assert ("Uvicorn running on" in text) == logged  # --uvicorn-log-level error hides uvicorn's INFO lines
+        if logged:
+            line = next(x for x in text.splitlines() if "Received request " in x)
+            assert "prompt: 'The q', " in line and "prompt_token_ids: [" in line and "max_tokens=4" in line
+            ids = line.split("prompt_token_ids: [")[1].split("]")[0].split(",")
+            assert len(ids) == 5
 
 
 def test_smollm2_chat_answer(smollm2_dir):

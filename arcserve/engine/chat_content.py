@@ -1,0 +1,133 @@
+"""Chat messages as a chat template reads them (vLLM's chat_template_content_format).
+
+OpenAI messages carry content as a string or as a list of parts ({"type": "text", "text": ...}).
+Templates read it one of two ways: as text ("string": the parts' texts joined one per line, empty
+ones left out) or as the list of parts ("openai": a string becomes one text part, no content an
+empty list). "auto" reads the template: a loop over a message's content means it expects parts.
+A tool message's content is always text (most templates print a tool result as a string).
+"""
+
+from __future__ import annotations
+
+import functools
+
+FORMATS = ("auto", "string", "openai")
+
+
+def template_messages(messages: list, content_format: str, template: str | None) -> list[dict]:
+    """The conversation for apply_chat_template; ValueError for a malformed message or a part that
+    is not text (arcserve takes no images or audio)."""
+    if content_format not in FORMATS:
+        raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai'; got {content_format!r}")
+    if content_format == "auto":
+        content_format = detect_content_format(template) if isinstance(template, str) else "string"
+    return [_message(m, content_format) for m in messages]
+
+
+def _message(m, content_format: str) -> dict:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ValueError(f"Each chat message needs a 'role' (and its 'content'); got {m!r}")
+    content = m.get("content")
+    if isinstance(content, list):
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ValueError(f"message content parts must be text parts ({{'type': 'text', 'text': ...}}; "
+                                 f"arcserve takes no images or audio); got {part!r}")  # fmt: skip
+        texts = [p["text"] for p in content]
+    elif isinstance(content, str):
+        texts = [content]
+    elif content is None:
+        texts = []
+    else:
+        raise ValueError(f"message content must be a string or a list of text parts; got {type(content).__name__}")
+    if content_format == "openai" and m["role"] != "tool":
+        return {**m, "content": [{"type": "text", "text": t} for t in texts]}
+    return {**m, "content": "\n".join(t for t in texts if t)}
+
+
+@functools.lru_cache(maxsize=32)
+def detect_content_format(template: str) -> str:
+    """ "openai" when the template loops over a message's content, else "string" (also when it
+    does not parse)."""
+    try:
+        ast = _parse(template)
+        return "openai" if _loops_over_content(ast) else "string"
+    except Exception:  # noqa: BLE001 (a template we cannot read: the common form)
+        return "string"
+
+
+def _parse(template: str):
+    try:  # transformers' environment knows the tags templates use (e.g. {% generation %})
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        return _compile_jinja_template(template).environment.parse(template)
+    except ImportError:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        return ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+
+
+def _refers(node, names: set[str], key: str | None = None) -> bool:
+    """node reads one of `names` (key given: its `key` item or attribute), through filters, tests
+    and slices."""
+    from jinja2 import nodes
+
+    while isinstance(node, (nodes.Filter, nodes.Test)) or (
+        isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)
+    ):
+        node = node.node
+    if key is not None:
+        if isinstance(node, nodes.Getattr) and node.attr == key:
+            node = node.node
+        elif isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == key:
+            node = node.node
+        else:
+            return False
+    return isinstance(node, nodes.Name) and node.name in names
+
+
+def _closure(ast, names: set[str], key: str | None = None) -> set[str]:
+    """`names`' readers: variables assigned from them (`key` of them, for the first round), and so on."""
+    from jinja2 import nodes
+
+    found, changed = set(), True
+    while changed:
+        changed = False
+        for a in ast.find_all(nodes.Assign):
+            if isinstance(a.target, nodes.Name) and a.target.name not in found:
+                if _refers(a.node, names, key) or _refers(a.node, found):
+                    found.add(a.target.name)
+                    changed = True
+    return found
+
+
+def _loops_over_content(ast) -> bool:
+    from jinja2 import nodes
+
+    lists = {"messages"} | _closure(ast, {"messages"})  # messages, and variables holding (part of) them
+    loops = list(ast.find_all(nodes.For))
+    msgs = {f.target.name for f in loops if isinstance(f.target, nodes.Name) and _refers(f.iter, lists)}
+    msgs |= {a.target.name for a in ast.find_all(nodes.Assign) if isinstance(a.target, nodes.Name)
+             and isinstance(a.node, nodes.Getitem) and _refers(a.node.node, lists)}  # m = messages[0]  # fmt: skip
+    contents = _closure(ast, msgs, "content") | {"content"}  # (a variable named content: vLLM's guess too)
+    in_macros: dict[int, set[str]] = {}  # loops inside a macro -> its parameters that receive a content
+    for macro in ast.find_all(nodes.Macro):
+        params = [a.name for a in macro.args]
+        bound = set()
+        for call in ast.find_all(nodes.Call):
+            if isinstance(call.node, nodes.Name) and call.node.name == macro.name:
+                bound |= {params[i] for i, a in enumerate(call.args[: len(params)]) if _is_content(a, msgs, contents)}
+                bound |= {k.key for k in call.kwargs if k.key in params and _is_content(k.value, msgs, contents)}
+        for loop in macro.find_all(nodes.For):
+            in_macros[id(loop)] = bound
+    for loop in loops:
+        if _refers(loop.iter, msgs, "content"):
+            return True
+        names = in_macros.get(id(loop), contents)
+        if _refers(loop.iter, names):
+            return True
+    return False
+
+
+def _is_content(node, msgs: set[str], contents: set[str]) -> bool:
+    return _refers(node, msgs, "content") or _refers(node, contents - {"content"})
