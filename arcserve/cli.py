@@ -137,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --enable-log-requests: the most prompt characters and token ids logged")  # fmt: skip
     s.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's own log level (default: --log-level)")  # fmt: skip
+    s.add_argument("--response-role", default="assistant",
+                   help="the role chat answers carry when add_generation_prompt is true (else the last message's)")  # fmt: skip
+    s.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the server's private key file (PEM)")
+    s.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the server's certificate chain file (PEM)")
+    s.add_argument("--ssl-ca-certs", default=None, help="CA certificates that client certificates are checked against")
+    s.add_argument("--ssl-cert-reqs", type=int, default=0,
+                   help="client certificates: 0 none (default), 1 optional, 2 required (Python's ssl.CERT_*)")  # fmt: skip
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="answer 503 while this many requests are waiting")  # fmt: skip
     s.add_argument("--shutdown-timeout", type=float, default=30.0,

@@ -273,7 +273,7 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    role: str = Field(..., min_length=1)  # OpenAI's roles, or any other the template knows (vLLM's custom roles)
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (history for the template)

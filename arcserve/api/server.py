@@ -112,18 +112,19 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str
               chat_template: str | None = None, metrics_require_key: bool = False,
               max_body_bytes: int = MAX_BODY_BYTES, cors: dict | None = None,
               trust_request_chat_template: bool = False, chat_template_content_format: str = "auto",
-              log_stats: str | None = None, log_requests: bool = False, max_log_len: int | None = None) -> FastAPI:  # fmt: skip
+              log_stats: str | None = None, log_requests: bool = False, max_log_len: int | None = None,
+              response_role: str = "assistant") -> FastAPI:  # fmt: skip
     """served_model_name: the name, or names, requests may give (responses and metrics carry the
     first, as vLLM's). cors: None (no CORS headers: browsers on other origins cannot call the API)
     or the keyword arguments of Starlette's CORSMiddleware (allow_origins, allow_methods,
     allow_headers, allow_credentials). log_stats: the KV cache's device label ("CPU", "GPU") for
-    the periodic stats line (engine/stat_logger.py), None for none. log_requests, max_log_len:
-    Serving's."""
+    the periodic stats line (engine/stat_logger.py), None for none. log_requests, max_log_len,
+    response_role: Serving's."""
     llm = engine.engine
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     served_model_name = names[0]
     serving = Serving(engine, served_model_name, trust_request_chat_template, chat_template_content_format,
-                      log_requests, max_log_len)  # fmt: skip
+                      log_requests, max_log_len, response_role)  # fmt: skip
     registry = make_registry(llm.get_metrics, served_model_name)
 
     @contextlib.asynccontextmanager
@@ -320,6 +321,9 @@ def run_server(args, engine_args) -> None:
     from arcserve.engine.core_process import AsyncLLMProcess
 
     template = read_chat_template(args.chat_template)
+    ssl = bool(args.ssl_keyfile or args.ssl_certfile)
+    if ssl and not (args.ssl_keyfile and args.ssl_certfile):
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
     api_key = args.api_key or os.environ.get("ARCSERVE_API_KEY")
     device = resolve_device(engine_args.device)
     # The engine runs in its own process (no GIL shared with the event loop); this process only
@@ -336,17 +340,18 @@ def run_server(args, engine_args) -> None:
         stats = None if engine_args.disable_log_stats else ("CPU" if device.type == "cpu" else "GPU")
         app = build_app(front, name, api_key, template, args.metrics_require_key, args.max_request_body_bytes, cors,
                         args.trust_request_chat_template, args.chat_template_content_format, stats,
-                        args.enable_log_requests, args.max_log_len)  # fmt: skip
+                        args.enable_log_requests, args.max_log_len, args.response_role)  # fmt: skip
         routes = sorted(f"{','.join(sorted(r.methods or []))} {r.path}" for r in app.routes if hasattr(r, "methods"))
         logger.info("Routes: %s", "; ".join(routes))
-        logger.info("Serving %s as %s on http://%s:%d (API key %s; CORS %s)", engine_args.model,
-                    ", ".join(repr(n) for n in name), args.host,
+        logger.info("Serving %s as %s on %s://%s:%d (API key %s; CORS %s)", engine_args.model,
+                    ", ".join(repr(n) for n in name), "https" if ssl else "http", args.host,
                     args.port, "required" if api_key else "off", "off" if cors is None else cors["allow_origins"])  # fmt: skip
         # uvicorn re-raises the signal that stopped it once it is done: a no-op handler makes
         # SIGTERM's graceful shutdown end in exit status 0.
         signal.signal(signal.SIGTERM, lambda *_: None)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
-                                timeout_keep_alive=5,
+                                timeout_keep_alive=5, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                                ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
                                 timeout_graceful_shutdown=args.shutdown_timeout + 5)  # fmt: skip
         server = DrainingServer(config, front, args.shutdown_timeout)
         server.run()

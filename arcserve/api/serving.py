@@ -38,9 +38,11 @@ logger = logging.getLogger("arcserve")
 class Serving:
     def __init__(self, engine: AsyncLLM, model_name: str, trust_request_chat_template: bool = False,
                  chat_template_content_format: str = "auto", log_requests: bool = False,
-                 max_log_len: int | None = None) -> None:  # fmt: skip
+                 max_log_len: int | None = None, response_role: str = "assistant") -> None:  # fmt: skip
         """log_requests: log each request as it arrives (vLLM's --enable-log-requests), its prompt
-        text and ids cut to max_log_len characters and ids (None: whole)."""
+        text and ids cut to max_log_len characters and ids (None: whole). response_role: the role of
+        chat answers to a conversation given a generation prompt (vLLM's --response-role)."""
+        self.response_role = response_role
         self.trust_request_chat_template = trust_request_chat_template
         self.content_format = chat_template_content_format
         self.log_requests, self.max_log_len = log_requests, max_log_len
@@ -334,20 +336,19 @@ class Serving:
             raise bad_request(e) from e
         streams = self._start([prompt], lambda _p: params, raw, body.priority, body.stream)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        # echo (vLLM): the last message's text in front of the answer when it has the answer's role
-        # (an assistant message continued with add_generation_prompt false)
-        echo = ""
-        if body.echo:
-            last = body.messages[-1]
-            if not body.add_generation_prompt or last.role == "assistant":  # it has the answer's role
-                echo = last.text
+        # The answer's role: the server's response role after a generation prompt, else the last
+        # message's (it is continued). echo (vLLM): that message's text in front of the answer when
+        # it has the answer's role.
+        last = body.messages[-1]
+        role = self.response_role if body.add_generation_prompt else last.role
+        echo = last.text if body.echo and last.role == role else ""
         if body.stream:
             return StreamingResponse(self._stream_chat(streams, rid, created, body.n, len(ids), _usage_mode(body), k,
-                                                       echo),
+                                                       echo, role),
                                      media_type="text/event-stream")  # fmt: skip
         (out,) = await self._finals(streams, raw)
         choices = [{
-            "index": o.index, "message": {"role": "assistant", "content": echo + o.text},
+            "index": o.index, "message": {"role": role, "content": echo + o.text},
             "logprobs": self._chat_logprobs(o, k), "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
         } for o in out.outputs]  # fmt: skip
         completion = sum(len(o.token_ids) for o in out.outputs)
@@ -355,7 +356,7 @@ class Serving:
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                              "choices": choices, "usage": self._usage([len(ids)], completion), **extra})  # fmt: skip
 
-    async def _stream_chat(self, streams, rid, created, n, plen, usage_mode, k, echo=""):
+    async def _stream_chat(self, streams, rid, created, n, plen, usage_mode, k, echo="", role="assistant"):
         def chunk(choices, **extra):
             if usage_mode == "every" and "usage" not in extra:  # the chunk's choice's usage so far (vLLM)
                 extra["usage"] = self._usage([plen], per_choice.get(choices[0]["index"], 0) if len(choices) == 1 else 0)
@@ -365,7 +366,7 @@ class Serving:
         completion = 0
         per_choice: dict[int, int] = {}
         try:
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
+            yield chunk([{"index": i, "delta": {"role": role, "content": echo}, "logprobs": None,
                           "finish_reason": None} for i in range(n)])  # fmt: skip
             async for _i, out in self._merge(streams):
                 for o in out.outputs:

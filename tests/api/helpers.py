@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -28,15 +29,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for_health(base: str, timeout: float, alive=lambda: True) -> None:
-    """Poll GET /health until it answers 200 (bounded by `timeout` seconds)."""
+def wait_for_health(base: str, timeout: float, alive=lambda: True, verify=True) -> None:
+    """Poll GET /health until it answers 200 (bounded by `timeout` seconds); verify: httpx's (a CA
+    file for HTTPS servers)."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
         if not alive():
             raise RuntimeError(f"server at {base} stopped before it became healthy")
         try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{base}/health", timeout=2, verify=verify).status_code == 200:
                 return
         except httpx.HTTPError as e:
             last = e
@@ -192,10 +194,12 @@ class HF:
 
 
 @contextlib.contextmanager
-def cli_server(model_dir, log_path, *flags: str, env: dict | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
+def cli_server(model_dir, log_path, *flags: str, env: dict | None = None,
+               ca: str | None = None) -> Iterator[tuple[subprocess.Popen, str]]:  # fmt: skip
     """`python -m arcserve.cli serve MODEL_DIR --host 127.0.0.1 --port P --dtype float32 FLAGS` in its own
     process (no API key from the environment; `env` adds variables), output to log_path. Yields
-    (process, base URL) once /health answers; on exit SIGTERM (graceful shutdown), SIGKILL after 20 s."""
+    (process, base URL) once /health answers (over HTTPS, checked against the CA file `ca`, when
+    given); on exit SIGTERM (graceful shutdown), SIGKILL after 20 s."""
     port = free_port()
     cmd = [sys.executable, "-m", "arcserve.cli", "serve", str(model_dir), "--host", HOST, "--port", str(port),
            "--dtype", "float32", *flags]  # fmt: skip
@@ -203,8 +207,8 @@ def cli_server(model_dir, log_path, *flags: str, env: dict | None = None) -> Ite
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
-        base = f"http://{HOST}:{port}"
-        wait_for_health(base, 90, lambda: proc.poll() is None)
+        base = f"{'https' if ca else 'http'}://{HOST}:{port}"
+        wait_for_health(base, 90, lambda: proc.poll() is None, ssl.create_default_context(cafile=ca) if ca else True)
         yield proc, base
     finally:
         proc.terminate()

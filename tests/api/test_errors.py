@@ -89,7 +89,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": []}, "messages", ""),
     ("/v1/chat/completions", {"max_tokens": 5}, "messages", "required"),
     ("/v1/chat/completions", {"messages": "Hello"}, ANY, ""),
-    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", ""),
+    ("/v1/chat/completions", {"messages": [{"role": "", "content": "x"}]}, "messages.0.role", ""),
+    ("/v1/chat/completions", {"messages": [{"role": 5, "content": "x"}]}, "messages.0.role", ""),
     ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages.0.role", ""),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content", ""),  # no 'str' tag
     (
@@ -167,7 +168,7 @@ def test_openai_client_sees_bad_request(client):
         client.completions.create(model=MODEL, prompt="x", temperature=3)
     assert e.value.status_code == 400 and e.value.param == "temperature" and e.value.code == "invalid_value"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "x"}])  # type: ignore
+        client.chat.completions.create(model=MODEL, messages=[{"role": "", "content": "x"}])  # type: ignore
     assert e.value.param == "messages.0.role"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=USER, stream=True, n=0)

@@ -270,6 +270,22 @@ def test_chat_text_parts_one_per_line(server):
     assert ids[0] == ids[1]
 
 
+def test_response_role(llama_dir):
+    """vLLM's --response-role: answers after a generation prompt carry it (streamed too); a continued
+    last message keeps that message's role, and echo repeats the message with the answer's role."""
+    msgs = [{"role": "user", "content": "hi"}]
+    with serve(llama_dir, app_kw={"response_role": "bot"}) as s:
+        body = {"model": MODEL, "messages": msgs, "max_tokens": 2}
+        assert s.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["role"] == "bot"
+        first = sse_data(s.post("/v1/chat/completions", json={**body, "stream": True}))[0]
+        assert first["choices"][0]["delta"]["role"] == "bot"
+        cont = {**body, "add_generation_prompt": False, "continue_final_message": True, "echo": True}
+        msg = s.post("/v1/chat/completions", json=cont).json()["choices"][0]["message"]
+        assert msg["role"] == "user" and msg["content"].startswith("hi")
+        echo = {**body, "messages": msgs + [{"role": "bot", "content": "Hello"}], "echo": True}
+        assert s.post("/v1/chat/completions", json=echo).json()["choices"][0]["message"]["content"].startswith("Hello")
+
+
 def test_chat_text_parts_as_the_template_reads_them(llama_dir):
     """A template that loops over a message's content gets the text parts as parts (vLLM's
     --chat-template-content-format auto); "string" joins them for it, "openai" passes them on."""

@@ -3,6 +3,7 @@ served over HTTP gives a sensible chat answer."""
 
 from __future__ import annotations
 
+import ssl
 import time
 
 import httpx
@@ -76,6 +77,34 @@ def test_cli_serve_logging_flags(llama_dir, tmp_path):
             assert "prompt: 'The q', " in line and "prompt_token_ids: [" in line and "max_tokens=4" in line
             ids = line.split("prompt_token_ids: [")[1].split("]")[0].split(",")
             assert len(ids) == 5
+
+
+def test_cli_serve_https(llama_dir, tmp_path):
+    """--ssl-keyfile / --ssl-certfile serve HTTPS (a test CA's certificate for 127.0.0.1); plain HTTP
+    is then refused, and one of the two files alone is an error."""
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    key_file, cert_file, ca_file = tmp_path / "key.pem", tmp_path / "cert.pem", tmp_path / "ca.pem"
+    cert.private_key_pem.write_to_path(str(key_file))
+    cert.cert_chain_pems[0].write_to_path(str(cert_file))
+    ca.cert_pem.write_to_path(str(ca_file))
+    flags = ("--max-model-len", "256", "--num-kv-blocks", "64", "--log-level", "warning",
+             "--ssl-keyfile", str(key_file), "--ssl-certfile", str(cert_file))  # fmt: skip
+    with cli_server(llama_dir, tmp_path / "serve.log", *flags, ca=str(ca_file)) as (_, base):
+        assert base.startswith("https://")
+        trusting = ssl.create_default_context(cafile=str(ca_file))
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "The quick", "max_tokens": 2}, verify=trusting,
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(base.replace("https://", "http://") + "/health", timeout=5)
+        with pytest.raises(httpx.ConnectError):  # a client that does not trust the test CA
+            httpx.get(f"{base}/health", timeout=5)
+    from arcserve.cli import main
+
+    assert main(["serve", str(llama_dir), "--ssl-keyfile", str(key_file)]) == 2  # no certificate
 
 
 def test_smollm2_chat_answer(smollm2_dir):
