@@ -75,5 +75,6 @@ def test_offline_llm_logs_only_when_asked(llama_dir, monkeypatch, caplog):
     caplog.clear()
     llm.generate(["a b c", "d e"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     lines = [r.getMessage() for r in caplog.records if "Avg generation throughput" in r.getMessage()]
-    assert lines and all("CPU KV cache usage" in x for x in lines)
+    label = "CPU" if llm.llm_engine.device.type == "cpu" else "GPU"
+    assert lines and all(f"{label} KV cache usage" in x for x in lines)
     assert any("Running: 2 reqs" in x for x in lines)
