@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="uvicorn's own log level (default: --log-level)")  # fmt: skip
     s.add_argument("--response-role", default="assistant",
                    help="the role chat answers carry when add_generation_prompt is true (else the last message's)")  # fmt: skip
+    s.add_argument("--root-path", default=None,
+                   help="the path prefix a reverse proxy serves the API under (e.g. /llm)")  # fmt: skip
     s.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the server's private key file (PEM)")
     s.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the server's certificate chain file (PEM)")
     s.add_argument("--ssl-ca-certs", default=None, help="CA certificates that client certificates are checked against")

@@ -58,7 +58,7 @@ class APIKeyMiddleware:
         self.app, self.key, self.open = app, api_key.encode(), open_paths
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in self.open:
+        if scope["type"] == "http" and _route_path(scope) not in self.open:
             given = dict(scope["headers"]).get(b"authorization", b"")
             token = given[7:] if given[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(token, self.key):
@@ -66,6 +66,14 @@ class APIKeyMiddleware:
                                       code="invalid_api_key")  # fmt: skip
                 return await resp(scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+def _route_path(scope) -> str:
+    """The request's path without the --root-path prefix a proxy may leave on it (as Starlette routes)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root) :] or "/"
+    return path
 
 
 class BodyLimitMiddleware:
@@ -352,6 +360,7 @@ def run_server(args, engine_args) -> None:
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
                                 timeout_keep_alive=5, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                                 ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+                                root_path=args.root_path or "",
                                 timeout_graceful_shutdown=args.shutdown_timeout + 5)  # fmt: skip
         server = DrainingServer(config, front, args.shutdown_timeout)
         server.run()

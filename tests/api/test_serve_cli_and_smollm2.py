@@ -79,6 +79,24 @@ def test_cli_serve_logging_flags(llama_dir, tmp_path):
             assert len(ids) == 5
 
 
+def test_cli_serve_root_path(llama_dir, tmp_path):
+    """--root-path: behind a proxy that serves the API under /llm and strips the prefix, the routes
+    answer as usual (open ones open, the others behind the key) and the OpenAPI spec names /llm as the
+    server, so clients generated from it call through the proxy (uvicorn's and Starlette's rules)."""
+    flags = ("--max-model-len", "256", "--num-kv-blocks", "64", "--log-level", "warning", "--root-path", "/llm",
+             "--api-key", "k")  # fmt: skip
+    with cli_server(llama_dir, tmp_path / "serve.log", *flags) as (_, base):
+        key = {"Authorization": "Bearer k"}
+        body = {"prompt": "The quick", "max_tokens": 2}
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+        assert httpx.get(f"{base}/metrics", timeout=10).status_code == 200
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=10).status_code == 401
+        r = httpx.post(f"{base}/v1/completions", json=body, headers=key, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        spec = httpx.get(f"{base}/openapi.json", timeout=10).json()
+        assert spec["servers"] == [{"url": "/llm"}]
+
+
 def test_cli_serve_https(llama_dir, tmp_path):
     """--ssl-keyfile / --ssl-certfile serve HTTPS (a test CA's certificate for 127.0.0.1); plain HTTP
     is then refused, and one of the two files alone is an error."""
