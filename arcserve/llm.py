@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from arcserve.config import EngineArgs
 from arcserve.engine.engine import LLMEngine
 from arcserve.engine.inputs import add_special_tokens as _add_special_tokens
-from arcserve.engine.stat_logger import StatLogger
+from arcserve.engine.stat_logger import StatLogger, device_label
 from arcserve.outputs import RequestOutput
 from arcserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -36,8 +36,7 @@ class LLM:
         self._ids = itertools.count()
         self._stats = None
         if not self.llm_engine.args.disable_log_stats:
-            label = "CPU" if self.llm_engine.device.type == "cpu" else "GPU"
-            self._stats = StatLogger(self.get_metrics, label)
+            self._stats = StatLogger(self.get_metrics, device_label(self.llm_engine.device))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:

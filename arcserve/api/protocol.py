@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
+from arcserve.engine.chat_content import join_texts
 from arcserve.sampling_params import MAX_LOGPROBS, TRUNCATION_RANGE, SamplingParams, valid_truncation
 
 MAX_N = 128
@@ -286,9 +287,9 @@ class ChatMessage(BaseModel):
 
     @property
     def text(self) -> str:
-        """The content as text: text parts one per line (as vLLM joins them)."""
+        """The content as text, text parts joined as the "string" content format joins them."""
         content = self.content
-        return "\n".join(p.text for p in content) if isinstance(content, list) else content or ""
+        return join_texts(p.text for p in content) if isinstance(content, list) else content or ""
 
     def as_template_dict(self) -> dict[str, Any]:
         """The message as given, for apply_chat_template to shape as the template reads it (text or

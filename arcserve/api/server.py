@@ -32,7 +32,7 @@ from arcserve.engine.async_engine import (
     RequestFailed,
     ServerShuttingDown,
 )
-from arcserve.engine.stat_logger import StatLogger
+from arcserve.engine.stat_logger import StatLogger, device_label
 from arcserve.platform import cpu_threads_for_engine, resolve_device
 
 logger = logging.getLogger("arcserve")
@@ -345,10 +345,12 @@ def run_server(args, engine_args) -> None:
     server = None
     try:
         name = args.served_model_name or [os.path.basename(os.path.normpath(engine_args.model))]
-        stats = None if engine_args.disable_log_stats else ("CPU" if device.type == "cpu" else "GPU")
+        stats = None if engine_args.disable_log_stats else device_label(device)
         app = build_app(front, name, api_key, template, args.metrics_require_key, args.max_request_body_bytes, cors,
-                        args.trust_request_chat_template, args.chat_template_content_format, stats,
-                        args.enable_log_requests, args.max_log_len, args.response_role)  # fmt: skip
+                        trust_request_chat_template=args.trust_request_chat_template,
+                        chat_template_content_format=args.chat_template_content_format, log_stats=stats,
+                        log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+                        response_role=args.response_role)  # fmt: skip
         routes = sorted(f"{','.join(sorted(r.methods or []))} {r.path}" for r in app.routes if hasattr(r, "methods"))
         logger.info("Routes: %s", "; ".join(routes))
         logger.info("Serving %s as %s on %s://%s:%d (API key %s; CORS %s)", engine_args.model,

@@ -59,8 +59,7 @@ class Serving:
         (truncate_prompt_tokens: before the length checks, as the engine would)."""
         out = []
         for p in prompts:
-            text, ids = self.llm.truncate_prompt(*self.llm.tokenize_prompt(p, add_special_tokens), truncate, max_tokens,
-                                                 isinstance(p, str) and add_special_tokens)  # fmt: skip
+            text, ids = self.llm.prompt_tokens(p, truncate, max_tokens, add_special_tokens)
             out.append({"prompt_token_ids": ids, "prompt": text})
         return out
 

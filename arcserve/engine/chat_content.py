@@ -42,7 +42,12 @@ def _message(m, content_format: str) -> dict:
         raise ValueError(f"message content must be a string or a list of text parts; got {type(content).__name__}")
     if content_format == "openai" and m["role"] != "tool":
         return {**m, "content": [{"type": "text", "text": t} for t in texts]}
-    return {**m, "content": "\n".join(t for t in texts if t)}
+    return {**m, "content": join_texts(texts)}
+
+
+def join_texts(texts) -> str:
+    """Text parts as one text: one per line, empty ones left out (vLLM's "string" rendering)."""
+    return "\n".join(t for t in texts if t)
 
 
 @functools.lru_cache(maxsize=32)

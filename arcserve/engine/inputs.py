@@ -120,6 +120,14 @@ class InputProcessor:
             raise ValueError("the chat template did not render to text")
         return text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def prompt_tokens(self, prompt, truncate: int | None, max_tokens: int | None,
+                      add_special_tokens: bool = True) -> tuple[str | None, list[int]]:  # fmt: skip
+        """(text, token ids) of a prompt (tokenize_prompt), cut to its last `truncate` tokens when asked
+        (truncate_prompt: a BOS the tokenizer put in front of a text prompt stays there)."""
+        from_text = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
+        return self.truncate_prompt(*self.tokenize_prompt(prompt, add_special_tokens), truncate, max_tokens,
+                                    from_text and add_special_tokens)  # fmt: skip
+
     def truncate_prompt(self, text: str | None, ids: list[int], k: int | None, max_tokens: int | None = None,
                         from_text: bool = False) -> tuple[str | None, list[int]]:  # fmt: skip
         """The prompt's last k tokens (SamplingParams.truncate_prompt_tokens; -1: as many as leave room
@@ -177,10 +185,8 @@ class InputProcessor:
             raise ValueError(f"priority {priority} needs scheduling_policy='priority' (--scheduling-policy "
                              f"priority); this engine runs {self.args.scheduling_policy!r}")  # fmt: skip
         params = params or self.default_sampling_params()
-        special = add_special_tokens(tokenization_kwargs)
-        from_text = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
-        text, ids = self.truncate_prompt(*self.tokenize_prompt(prompt, special), params.truncate_prompt_tokens,
-                                         params.max_tokens, from_text and special)  # fmt: skip
+        text, ids = self.prompt_tokens(prompt, params.truncate_prompt_tokens, params.max_tokens,
+                                       add_special_tokens(tokenization_kwargs))  # fmt: skip
         params = params.clone()
         params._eos_token_ids, params._eos_token_id = self.eos_token_ids, self.tokenizer.eos_token_id
         if params.bad_words:

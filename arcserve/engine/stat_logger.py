@@ -39,9 +39,14 @@ _COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "prefix_cache_que
              "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total")  # fmt: skip
 
 
+def device_label(device) -> str:
+    """Where the KV cache lives, as the line names it: "CPU", or "GPU" for any accelerator."""
+    return "CPU" if device.type == "cpu" else "GPU"
+
+
 class StatLogger:
     def __init__(self, get_metrics: Callable[[], dict], device_label: str, interval: float | None = None) -> None:
-        """device_label: the KV cache's place in the line ("CPU", "GPU"); interval: seconds between
+        """device_label: the KV cache's place in the line (device_label()); interval: seconds between
         lines (default: ARCSERVE_LOG_STATS_INTERVAL, else 10)."""
         self.get_metrics, self.label = get_metrics, device_label
         self.interval = log_interval() if interval is None else interval
