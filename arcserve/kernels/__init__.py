@@ -6,11 +6,12 @@ fused in (triton_linear.py). The namespace holds what the model calls."""
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import torch
 
-from arcserve.kernels import cpu_attention, cpu_compiled, reference
+from arcserve.kernels import blocks, cpu_attention, cpu_compiled, reference
 from arcserve.platform import triton_available
 
 KERNEL_CHOICES = ("auto", "torch", "triton")
@@ -47,6 +48,7 @@ def get_ops(kernels: str, device: torch.device, compiled: bool = True) -> Simple
         paged_attention=cpu_attention.paged_attention if cpu else reference.paged_attention,
         make_decode_mirror=cpu_attention.DecodeMirror if cpu else None,
     )
+    halves = dict(pre_attention=blocks.pre_attention, post_attention=blocks.post_attention)
     if cpu and name == "torch" and compiled:
         # one-token steps of half models on CPUs that emulate half products: compiled kernels
         ops.update(
@@ -57,6 +59,7 @@ def get_ops(kernels: str, device: torch.device, compiled: bool = True) -> Simple
             silu_mul_linear=cpu_compiled.silu_mul_linear,
             qkv_prepare=cpu_compiled.qkv_prepare,
         )
+        halves = dict(pre_attention=cpu_compiled.pre_attention, post_attention=cpu_compiled.post_attention)
     if name == "triton":
         from arcserve.kernels import triton_attention, triton_linear, triton_ops, triton_sampling
 
@@ -72,4 +75,7 @@ def get_ops(kernels: str, device: torch.device, compiled: bool = True) -> Simple
             make_decode_mirror=None,
             pack_linear_weight=lambda weight: weight,  # Triton kernels read the checkpoint's layout
         )
-    return SimpleNamespace(**ops)
+    ns = SimpleNamespace(**ops)
+    for key, fn in halves.items():  # a layer's halves around attention, over the ops chosen above
+        setattr(ns, key, functools.partial(fn, ns))
+    return ns

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from arcserve.kernels import reference
+from arcserve.kernels import blocks, reference
 from arcserve.kernels.reference import EmulatedHalfWeight
 
 log = logging.getLogger("arcserve")
@@ -153,3 +153,60 @@ def qkv_prepare(qkv: torch.Tensor, num_q: int, q_norm: torch.Tensor | None, k_no
             reference.store_kv(k, v, k_cache, v_cache, slots)
             return q, k, v
     return reference.qkv_prepare(qkv, num_q, q_norm, k_norm, eps, rope, k_cache, v_cache, slots, neox)
+
+
+def _rows16(*weights) -> bool:
+    return all(isinstance(w, EmulatedHalfWeight) and w.rows16 is not None for w in weights)
+
+
+def _present(*tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    return tuple(t for t in tensors if t is not None)
+
+
+def _pre(x, *t, first: bool, bias: bool, qk_norm: bool, num_q: int, num_kv: int, head_dim: int, eps: float,
+         neox: bool) -> tuple:  # fmt: skip
+    """blocks.pre_attention's arithmetic for one token (the paged-cache store stays outside): t is
+    (residual unless first, input norm, qkv rows16, qkv bias if bias, q and k norms if qk_norm,
+    rope_cos_sin's four tensors)."""
+    residual, t = (None, t) if first else (t[0], t[1:])
+    h, residual = reference.fused_add_rms_norm(x, residual, t[0], eps)
+    qkv = _gemv(h, t[1], *t[2 : 2 + bias]).view(1, num_q + 2 * num_kv, head_dim)
+    q, k = _norm_rope(qkv, *t[2 + bias :], num_q=num_q, eps=eps, neox=neox)
+    return q, k, qkv[:, num_q + num_kv :].contiguous(), residual
+
+
+def pre_attention(ops, x, residual, lw, eps, rope, num_q, num_kv, head_dim, k_cache, v_cache, slots):
+    """blocks.pre_attention; for one token, everything but the K/V store runs as one compiled call."""
+    if _one_token(x) and _rows16(lw.qkv):
+        norms = () if lw.q_norm is None else (lw.q_norm, lw.k_norm)
+        args = (x, *_present(residual), lw.input_norm, lw.qkv.rows16, *_present(lw.qkv_bias), *norms, *rope)
+        got = _run(_pre, args, first=residual is None, bias=lw.qkv_bias is not None, qk_norm=bool(norms),
+                   num_q=num_q, num_kv=num_kv, head_dim=head_dim, eps=eps, neox=True)  # fmt: skip
+        if got is not None:
+            q, k, v, residual = got
+            reference.store_kv(k, v, k_cache, v_cache, slots)
+            return q, k, v, residual
+    return blocks.pre_attention(ops, x, residual, lw, eps, rope, num_q, num_kv, head_dim, k_cache, v_cache, slots)
+
+
+def _post(attn, residual, o, *t, biases: tuple[bool, bool, bool], eps: float) -> tuple:
+    """blocks.post_attention's arithmetic for one token: t is (o bias?, post norm, gate_up rows16,
+    gate_up bias?, down rows16, down bias?), each bias present where `biases` says."""
+    t = list(t)
+    take = lambda present: (t.pop(0),) if present else ()  # noqa: E731
+    x = _gemv(attn, o, *take(biases[0]))
+    h, residual = reference.fused_add_rms_norm(x, residual, t.pop(0), eps)
+    gate_up = _gemv(h, t.pop(0), *take(biases[1]))
+    return _gemv(reference.silu_and_mul(gate_up), t.pop(0), *take(biases[2])), residual
+
+
+def post_attention(ops, attn, residual, lw, eps):
+    """blocks.post_attention; for one token, one compiled call."""
+    if _one_token(attn) and _rows16(lw.o, lw.gate_up, lw.down):
+        args = (attn, residual, lw.o.rows16, *_present(lw.o_bias), lw.post_norm, lw.gate_up.rows16,
+                *_present(lw.gate_up_bias), lw.down.rows16, *_present(lw.down_bias))  # fmt: skip
+        biases = tuple(b is not None for b in (lw.o_bias, lw.gate_up_bias, lw.down_bias))
+        got = _run(_post, args, biases=biases, eps=eps)
+        if got is not None:
+            return got[0], got[1]
+    return blocks.post_attention(ops, attn, residual, lw, eps)

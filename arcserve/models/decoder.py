@@ -74,14 +74,12 @@ class DecoderModel:
         rope = ops.rope_cos_sin(self.cos_sin, positions, self.dtype)
         nq, nkv = h, cfg.num_kv_heads
         for i, (lw, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            qkv, residual = ops.add_rms_norm_linear(x, residual, lw.input_norm, eps, lw.qkv, lw.qkv_bias)
-            qkv = qkv.view(T, nq + 2 * nkv, d)
-            # q/k norm (Qwen3), RoPE of q and k heads together, K/V into the paged cache
-            q, k, v = ops.qkv_prepare(qkv, nq, lw.q_norm, lw.k_norm, eps, rope, k_cache, v_cache, meta.slot_mapping)
+            # add + RMSNorm, qkv, q/k norm (Qwen3) and RoPE, K/V into the paged cache (kernels/blocks.py)
+            q, k, v, residual = ops.pre_attention(x, residual, lw, eps, rope, nq, nkv, d, k_cache, v_cache,
+                                                  meta.slot_mapping)  # fmt: skip
             attn = ops.paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, cfg.sliding_window, i)
-            x = ops.linear(attn.view(T, h * d), lw.o, lw.o_bias)
-            gate_up, residual = ops.add_rms_norm_linear(x, residual, lw.post_norm, eps, lw.gate_up, lw.gate_up_bias)
-            x = ops.silu_mul_linear(gate_up, lw.down, lw.down_bias)
+            # o, add + RMSNorm, gate_up, SiLU-mul, down
+            x, residual = ops.post_attention(attn.view(T, h * d), residual, lw, eps)
         x, _ = ops.fused_add_rms_norm(x, residual, self.final_norm, eps)
         return x
 

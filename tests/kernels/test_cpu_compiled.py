@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from arcserve import LLM, SamplingParams
-from arcserve.kernels import cpu_compiled, get_ops, reference
+from arcserve.kernels import blocks, cpu_compiled, get_ops, reference
 
 HAVE_CXX = shutil.which("g++") is not None  # what inductor compiles its CPU kernels with
 
@@ -153,3 +153,60 @@ def test_engine_decodes_the_same_tokens_compiled_and_eager(llama_dir):
     assert got == want
     if HAVE_CXX:  # the one-token steps took the compiled product (new shapes: qkv, o, gate_up, down, LM head)
         assert compiled_keys(cpu_compiled._gemv) > before and not cpu_compiled._failed
+
+
+def _layer(g, dtype, hidden, inter, nq, nkv, d, bias: bool, qk_norm: bool):
+    from arcserve.models.decoder import LayerWeights
+
+    def w(n, k):
+        return cpu_compiled.pack_linear_weight((torch.randn(n, k, generator=g) / 8).to(dtype))
+
+    def vec(n, scale=1.0):
+        return (1 + torch.randn(n, generator=g) * scale / 4).to(dtype)
+
+    qkv_n = (nq + 2 * nkv) * d
+    return LayerWeights(
+        input_norm=vec(hidden), qkv=w(qkv_n, hidden), qkv_bias=vec(qkv_n) if bias else None,
+        o=w(hidden, nq * d), o_bias=vec(hidden) if bias else None,
+        q_norm=vec(d) if qk_norm else None, k_norm=vec(d) if qk_norm else None, post_norm=vec(hidden),
+        gate_up=w(2 * inter, hidden), gate_up_bias=vec(2 * inter) if bias else None,
+        down=w(hidden, inter), down_bias=vec(hidden) if bias else None,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("bias,qk_norm,first", [(False, False, False), (True, False, True), (False, True, False)])
+def test_layer_halves_in_one_call_give_the_per_op_bits(bias, qk_norm, first):
+    """pre_attention / post_attention for one token as one compiled call each: the same bits as the
+    one-token ops called one by one (which test_one_token_product_over_rows16 and the tests above
+    tie to the eager ops), the K/V store included."""
+    g = torch.Generator().manual_seed(4)
+    eps = 3e-6  # a value no other test compiles with: this test's calls compile their own kernels
+    dtype, hidden, inter, nq, nkv, d = torch.bfloat16, 64, 96, 4, 2, 16
+    lw = _layer(g, dtype, hidden, inter, nq, nkv, d, bias, qk_norm)
+    ops = get_ops("torch", torch.device("cpu"))
+    x = (torch.randn(1, hidden, generator=g) * 2).to(dtype)
+    residual = None if first else torch.randn(1, hidden, generator=g).to(dtype)
+    rope = reference.rope_cos_sin(torch.randn(64, d, generator=g), torch.tensor([29]), dtype)
+    caches = [torch.zeros(3, 8, nkv, d, dtype=dtype) for _ in range(4)]
+    slots = torch.tensor([13])
+    before = compiled_keys(cpu_compiled._pre)
+    got = ops.pre_attention(x, residual, lw, eps, rope, nq, nkv, d, caches[0], caches[1], slots)
+    want = blocks.pre_attention(ops, x, residual, lw, eps, rope, nq, nkv, d, caches[2], caches[3], slots)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and torch.equal(a, b)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[1].view(-1, nkv, d)[13].abs().sum() > 0  # V landed in its slot
+    attn = got[0].reshape(1, nq * d)
+    out = ops.post_attention(attn, got[3], lw, eps)
+    ref = blocks.post_attention(ops, attn, got[3], lw, eps)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    # and close to the eager ops (the products sum in another order)
+    eager = get_ops("torch", torch.device("cpu"), compiled=False)
+    e = eager.post_attention(attn, got[3], lw, eps)
+    assert torch.equal(out[1], e[1]) and torch.allclose(out[0].float(), e[0].float(), rtol=0.05, atol=0.05)
+    if HAVE_CXX:
+        assert compiled_keys(cpu_compiled._pre) > before and compiled_keys(cpu_compiled._post) > 0
+    # more tokens: the ops one by one, which are the eager ops there
+    a5, r5 = torch.randn(5, nq * d, generator=g).to(dtype), torch.randn(5, hidden, generator=g).to(dtype)
+    got5, want5 = ops.post_attention(a5, r5, lw, eps), eager.post_attention(a5, r5, lw, eps)
+    assert got5[0].shape == (5, hidden) and torch.equal(got5[0], want5[0]) and torch.equal(got5[1], want5[1])
