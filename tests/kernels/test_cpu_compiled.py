@@ -151,8 +151,9 @@ def test_engine_decodes_the_same_tokens_compiled_and_eager(llama_dir):
     assert fast.llm_engine.model.layers[0].gate_up.rows16 is not None
     got = fast.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
     assert got == want
-    if HAVE_CXX:  # the one-token steps took the compiled product (new shapes: qkv, o, gate_up, down, LM head)
+    if HAVE_CXX:  # the one-token steps took the compiled layer halves and the LM head's product
         assert compiled_keys(cpu_compiled._gemv) > before and not cpu_compiled._failed
+        assert compiled_keys(cpu_compiled._pre) and compiled_keys(cpu_compiled._post)
 
 
 def _layer(g, dtype, hidden, inter, nq, nkv, d, bias: bool, qk_norm: bool):
