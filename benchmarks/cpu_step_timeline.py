@@ -20,7 +20,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from offline_throughput import workload, workload_args  # noqa: E402
 
-OPS = ("add_rms_norm_linear", "qkv_prepare", "paged_attention", "linear", "silu_mul_linear", "fused_add_rms_norm")
+OPS = ("pre_attention", "post_attention", "add_rms_norm_linear", "qkv_prepare", "paged_attention", "linear",
+       "silu_mul_linear", "fused_add_rms_norm")
 
 
 def main() -> None:
@@ -100,7 +101,7 @@ def main() -> None:
     for i in sorted(slow):
         dt, s = steps[i]
         print(f"  {i}: {dt * 1e3:.1f} ms, {len(s.seqs) if s else 0} seqs, {s.num_batched_tokens if s else 0} tokens")
-    print("timers (s over the run; op groups nest inside [forward]):")
+    print("timers (s over the run; op groups nest inside [forward], the ops of a layer half inside its half)")
     for key, v in sorted(timers.items(), key=lambda kv: -kv[1]):
         print(f"  {key:22s} {v:7.2f}")
 
