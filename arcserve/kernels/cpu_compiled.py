@@ -7,8 +7,10 @@ runs both through generic paths (measured on a 2-vCPU AVX2 AMD EPYC, docs/BENCHM
   weights in a [N/16, K, 16] layout (`rows16`: 16 outputs side by side per input feature, summed
   down the K axis in float32 vectors, no horizontal sums) takes ~10-15% less;
 - the small ops between products (residual add + RMSNorm, SiLU-mul, q/k norm + RoPE) cost 3-5x
-  their arithmetic each (after a product has streamed megabytes through the caches); one compiled
-  kernel per group replaces ~5-10 eager ops.
+  their arithmetic each (after a product has streamed megabytes through the caches); compiled
+  kernels replace them, and each half of a decoder layer around attention (kernels/blocks.py:
+  pre_attention, post_attention) runs as one compiled call with its products. The per-group
+  kernels below serve the final norm, the LM head, and layers whose weights have no rows16 copy.
 
 Rounding: the small-op groups are compiled with inductor's `emulate_precision_casts`, so they round
 where eager PyTorch rounds (the same bits as reference.py's ops); products accumulate in float32 and
@@ -163,15 +165,14 @@ def _present(*tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     return tuple(t for t in tensors if t is not None)
 
 
-def _pre(x, *t, first: bool, bias: bool, qk_norm: bool, num_q: int, num_kv: int, head_dim: int, eps: float,
-         neox: bool) -> tuple:  # fmt: skip
+def _pre(x, *t, first: bool, bias: bool, qk_norm: bool, num_q: int, num_kv: int, head_dim: int, eps: float) -> tuple:
     """blocks.pre_attention's arithmetic for one token (the paged-cache store stays outside): t is
     (residual unless first, input norm, qkv rows16, qkv bias if bias, q and k norms if qk_norm,
     rope_cos_sin's four tensors)."""
     residual, t = (None, t) if first else (t[0], t[1:])
     h, residual = reference.fused_add_rms_norm(x, residual, t[0], eps)
     qkv = _gemv(h, t[1], *t[2 : 2 + bias]).view(1, num_q + 2 * num_kv, head_dim)
-    q, k = _norm_rope(qkv, *t[2 + bias :], num_q=num_q, eps=eps, neox=neox)
+    q, k = _norm_rope(qkv, *t[2 + bias :], num_q=num_q, eps=eps, neox=True)  # the decoder's families are NeoX
     return q, k, qkv[:, num_q + num_kv :].contiguous(), residual
 
 
@@ -181,7 +182,7 @@ def pre_attention(ops, x, residual, lw, eps, rope, num_q, num_kv, head_dim, k_ca
         norms = () if lw.q_norm is None else (lw.q_norm, lw.k_norm)
         args = (x, *_present(residual), lw.input_norm, lw.qkv.rows16, *_present(lw.qkv_bias), *norms, *rope)
         got = _run(_pre, args, first=residual is None, bias=lw.qkv_bias is not None, qk_norm=bool(norms),
-                   num_q=num_q, num_kv=num_kv, head_dim=head_dim, eps=eps, neox=True)  # fmt: skip
+                   num_q=num_q, num_kv=num_kv, head_dim=head_dim, eps=eps)  # fmt: skip
         if got is not None:
             q, k, v, residual = got
             reference.store_kv(k, v, k_cache, v_cache, slots)

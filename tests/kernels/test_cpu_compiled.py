@@ -162,8 +162,8 @@ def _layer(g, dtype, hidden, inter, nq, nkv, d, bias: bool, qk_norm: bool):
     def w(n, k):
         return cpu_compiled.pack_linear_weight((torch.randn(n, k, generator=g) / 8).to(dtype))
 
-    def vec(n, scale=1.0):
-        return (1 + torch.randn(n, generator=g) * scale / 4).to(dtype)
+    def vec(n):
+        return (1 + torch.randn(n, generator=g) / 4).to(dtype)
 
     qkv_n = (nq + 2 * nkv) * d
     return LayerWeights(
