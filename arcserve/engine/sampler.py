@@ -59,6 +59,15 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (its first, on ties). On the CPU, half logits go through float32 (exact):
+    torch's half argmax there is scalar code (measured on a 2-vCPU AVX2 EPYC, one row of 49,152
+    bf16 logits: ~240 us, against ~75 us converted first)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return logits.argmax(dim=-1)
+
+
 def seeded_uniform(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """Uniform numbers in [0, 1), float32-exact (24 bits), as a pure function of (seed, position)."""
     with np.errstate(over="ignore"):
@@ -258,7 +267,7 @@ class Sampler:
 
         greedy = (flags & _GREEDY) != 0
         if greedy.all():
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax(logits)
         else:  # the parameter array only here: all-greedy steps (the common case) skip building it
             f = np.concatenate(param_rows).reshape(B, 6)
             f[:, _U] = self._uniform(reqs, flags, offsets)
@@ -270,7 +279,7 @@ class Sampler:
             f_d = to_device(cols, dev)[:, :B]
             sampled = self._sample(logits, f_d, f)
             if greedy.any():
-                tokens = torch.where(f_d[_TEMP] == 0, logits.argmax(dim=-1), sampled)
+                tokens = torch.where(f_d[_TEMP] == 0, argmax(logits), sampled)
             else:
                 tokens = sampled
 

@@ -58,6 +58,7 @@ def get_ops(kernels: str, device: torch.device, compiled: bool = True) -> Simple
             add_rms_norm_linear=cpu_compiled.add_rms_norm_linear,
             silu_mul_linear=cpu_compiled.silu_mul_linear,
             qkv_prepare=cpu_compiled.qkv_prepare,
+            paged_attention=functools.partial(cpu_attention.paged_attention, one_row=cpu_compiled.decode_attention),
         )
         halves = dict(pre_attention=cpu_compiled.pre_attention, post_attention=cpu_compiled.post_attention)
     if name == "triton":

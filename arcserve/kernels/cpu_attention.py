@@ -19,6 +19,7 @@ in bf16, ~35 us in float32), so the mirror then pays for itself from the first d
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -185,9 +186,11 @@ class DecodeMirror:
         return rows, fill
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache, v_cache,
-               plan: dict, scale: float) -> torch.Tensor:  # fmt: skip
+               plan: dict, scale: float, one_row: Callable | None = None) -> torch.Tensor:  # fmt: skip
         """Attention of the decode tokens, in row order (plan["tok"][r] is row r's token), in q's
-        dtype. plan["tok"] is None when the decode tokens are the step's tokens in row order."""
+        dtype. plan["tok"] is None when the decode tokens are the step's tokens in row order.
+        one_row: a kernel for a step of one row over its whole width (cpu_compiled.decode_attention's
+        contract; None from it, or no kernel, runs SDPA)."""
         tok, fill = plan["tok"], plan["fill"]
         K, V = self.k[layer], self.v[layer]
         if fill is not None:  # new decoders: copy their context from the paged cache, once
@@ -198,9 +201,14 @@ class DecodeMirror:
         if tok is not None:
             q, k, v = q[tok], k[tok], v[tok]
         (n, heads, hd), kvh, L = q.shape, K.shape[1], plan["max_len"]
-        # This step's token of each row: one index_copy_ per buffer at flat (row, head, pos) offsets.
-        # (as the paged cache holds it: an 8-bit cache's rounding included)
+        # (as the paged cache holds this step's token: an 8-bit cache's rounding included)
         k, v = reference.kv_round_trip(k, k_cache.dtype), reference.kv_round_trip(v, v_cache.dtype)
+        if n == 1 and one_row is not None and plan["mask"] is None:
+            K[0, :, L - 1], V[0, :, L - 1] = k[0], v[0]
+            o = one_row(q, K[:1], V[:1], L, plan["length"], scale)
+            if o is not None:
+                return o
+        # This step's token of each row: one index_copy_ per buffer at flat (row, head, pos) offsets.
         K.view(-1, hd).index_copy_(0, plan["slots"], k.to(K.dtype).reshape(-1, hd))
         V.view(-1, hd).index_copy_(0, plan["slots"], v.to(V.dtype).reshape(-1, hd))
         # Rows form: the query heads sharing a KV head ride as its query rows (no mask among them);
@@ -217,17 +225,19 @@ class DecodeMirror:
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: AttentionMetadata, scale: float, sliding_window: int | None = None, layer: int = 0,
+    one_row: Callable | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """Same contract as reference.paged_attention; decode tokens go through meta's DecodeMirror."""
+    """Same contract as reference.paged_attention; decode tokens go through meta's DecodeMirror
+    (one_row: see DecodeMirror.attend; get_ops binds it)."""
     mirror: DecodeMirror | None = meta.host.get("decode_mirror")
     plan = _plan(meta, k_cache.shape[1], mirror, sliding_window)
     if plan is None:
         return reference.paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
     if plan["tok"] is None:  # decode-only step, tokens in row order
-        return mirror.attend(layer, q, k, v, k_cache, v_cache, plan, scale)
+        return mirror.attend(layer, q, k, v, k_cache, v_cache, plan, scale, one_row)
     # Prefill chunks (if any) through the reference; decode rows from the mirror into the same output.
     out = reference.paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, skip_decode=True)
-    out[plan["tok"]] = mirror.attend(layer, q, k, v, k_cache, v_cache, plan, scale)
+    out[plan["tok"]] = mirror.attend(layer, q, k, v, k_cache, v_cache, plan, scale, one_row)
     return out
 
 
@@ -255,7 +265,7 @@ def _plan(meta: AttentionMetadata, block_size: int, mirror: DecodeMirror | None,
             slots = (np.arange(len(rows))[:, None] * kvh + np.arange(kvh)[None, :]) * cap + (lens[order] - 1)[:, None]
             in_order = len(dec) == len(seq_lens) and np.array_equal(tok, np.arange(len(tok)))
             plan = {
-                "fill": fill, "max_len": max_len, "mask": mask,
+                "fill": fill, "max_len": max_len, "mask": mask, "length": torch.tensor(max_len),
                 "tok": None if in_order else torch.from_numpy(tok).to(dev),
                 "slots": torch.from_numpy(slots.reshape(-1)).to(dev),
             }  # fmt: skip

@@ -48,6 +48,22 @@ def test_temperature_zero_is_argmax():
         assert out[i] == logits[i].argmax().item()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_greedy_on_half_logits_takes_the_first_largest(dtype):
+    """Half logits (a bf16/fp16 model's LM head) with repeated maxima: the first one, as torch's
+    argmax in the logits' own dtype picks it, with greedy rows alone and beside sampled ones."""
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(4, 300, generator=g) * 4).round().to(dtype)  # many exact ties
+    logits[2, [17, 40, 250]] = 30.0
+    want = logits.argmax(-1).tolist()
+    assert want[2] == 17
+    reqs = [make_req(SamplingParams(temperature=0.0)) for _ in range(4)]
+    assert Sampler(CPU, 0)(logits, reqs).tokens.tolist() == want
+    reqs[1] = make_req(SamplingParams(temperature=0.8), seed=1)
+    out = Sampler(CPU, 0)(logits, reqs).tokens.tolist()
+    assert [out[i] for i in (0, 2, 3)] == [want[i] for i in (0, 2, 3)]
+
+
 def test_temperature_below_eps_is_greedy():
     logits = torch.tensor([[0.0, 1.0, 0.999, -2.0]])
     for seed in range(20):

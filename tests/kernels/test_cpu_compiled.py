@@ -8,12 +8,13 @@ from __future__ import annotations
 import logging
 import shutil
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from arcserve import LLM, SamplingParams
-from arcserve.kernels import blocks, cpu_compiled, get_ops, reference
+from arcserve.kernels import blocks, cpu_attention, cpu_compiled, get_ops, reference
 
 HAVE_CXX = shutil.which("g++") is not None  # what inductor compiles its CPU kernels with
 
@@ -135,8 +136,10 @@ def test_a_failed_compile_falls_back_to_the_eager_ops(monkeypatch, caplog):
 def test_enforce_eager_keeps_the_eager_ops():
     ops = get_ops("torch", torch.device("cpu"), compiled=False)
     assert ops.linear is reference.linear and ops.qkv_prepare is reference.qkv_prepare
+    assert ops.paged_attention is cpu_attention.paged_attention  # SDPA over the mirror
     ops = get_ops("torch", torch.device("cpu"))
     assert ops.linear is cpu_compiled.linear and ops.add_rms_norm_linear is cpu_compiled.add_rms_norm_linear
+    assert ops.paged_attention.keywords == {"one_row": cpu_compiled.decode_attention}
 
 
 def test_engine_decodes_the_same_tokens_compiled_and_eager(llama_dir):
@@ -154,6 +157,7 @@ def test_engine_decodes_the_same_tokens_compiled_and_eager(llama_dir):
     if HAVE_CXX:  # the one-token steps took the compiled layer halves and the LM head's product
         assert compiled_keys(cpu_compiled._gemv) > before and not cpu_compiled._failed
         assert compiled_keys(cpu_compiled._pre) and compiled_keys(cpu_compiled._post)
+        assert compiled_keys(cpu_compiled._attend)  # one-token attention over the decode mirror
 
 
 def _layer(g, dtype, hidden, inter, nq, nkv, d, bias: bool, qk_norm: bool):
@@ -211,3 +215,134 @@ def test_layer_halves_in_one_call_give_the_per_op_bits(bias, qk_norm, first):
     a5, r5 = torch.randn(5, nq * d, generator=g).to(dtype), torch.randn(5, hidden, generator=g).to(dtype)
     got5, want5 = ops.post_attention(a5, r5, lw, eps), eager.post_attention(a5, r5, lw, eps)
     assert got5[0].shape == (5, hidden) and torch.equal(got5[0], want5[0]) and torch.equal(got5[1], want5[1])
+
+
+def _mirror_rows(kvh, d, cap, length, g):
+    """K, V [1, kvh, cap, d] float32 holding bf16 values up to `length`, zeros after (as the mirror)."""
+    K, V = torch.zeros(1, kvh, cap, d), torch.zeros(1, kvh, cap, d)
+    K[:, :, :length] = (torch.randn(1, kvh, length, d, generator=g) * 2).bfloat16().float()
+    V[:, :, :length] = torch.randn(1, kvh, length, d, generator=g).bfloat16().float()
+    return K, V
+
+
+@pytest.mark.parametrize("dtype,heads,kvh", [(torch.bfloat16, 6, 2), (torch.float16, 4, 4)])
+def test_one_token_attention_matches_sdpa(dtype, heads, kvh):
+    """decode_attention over length buckets: SDPA's result within the output dtype's rounding, for
+    lengths at and around the bucket edges; None (the caller's SDPA) where it does not apply."""
+    g = torch.Generator().manual_seed(5)
+    d, cap = 16, 1152
+    tol = dict(rtol=8e-3, atol=8e-3) if dtype == torch.bfloat16 else dict(rtol=1e-3, atol=1e-3)
+    for length in (1, 37, 127, 128, 129, 300, 512, 513, 1024):
+        K, V = _mirror_rows(kvh, d, cap, length, g)
+        q = (torch.randn(1, heads, d, generator=g) * 2).to(dtype)
+        got = cpu_compiled.decode_attention(q, K, V, length, torch.tensor(length), 0.3)
+        want = F.scaled_dot_product_attention(
+            q.float().view(1, kvh, heads // kvh, d), K[:, :, :length], V[:, :, :length], scale=0.3
+        ).view(1, heads, d)  # fmt: skip
+        if not HAVE_CXX:
+            assert got is None and cpu_compiled._failed
+            return
+        assert got.shape == (1, heads, d) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, **tol)
+    check_compiled(cpu_compiled._attend)
+    q = torch.randn(1, heads, d, generator=g).to(dtype)
+    K, V = _mirror_rows(kvh, d, cap, 1100, g)
+    assert cpu_compiled.decode_attention(q, K, V, 1100, torch.tensor(1100), 0.3) is None  # past the buckets
+    K, V = _mirror_rows(kvh, d, 384, 300, g)
+    assert cpu_compiled.decode_attention(q, K, V, 300, torch.tensor(300), 0.3) is None  # bucket 512 > capacity
+    assert cpu_compiled.decode_attention(q.float(), *_mirror_rows(kvh, d, cap, 9, g), 9, torch.tensor(9), 0.3) is None
+
+
+@pytest.mark.parametrize("cache", [None, torch.float8_e4m3fn])
+def test_mirror_single_decoder_through_the_compiled_attention(cache):
+    """One sequence decoding past the first bucket through cpu_attention with the compiled one-row
+    kernel (some steps beside another sequence's prefill chunk): every step within bf16 rounding of
+    the reference, and the mirror holds exactly what the SDPA path's mirror holds."""
+    from arcserve.kernels.reference import AttentionMetadata
+
+    g = torch.Generator().manual_seed(6)
+    bs, kvh, heads, d, layers, nb, dtype = 4, 2, 6, 8, 2, 120, torch.bfloat16
+    kc = [torch.randn(nb, bs, kvh, d, generator=g).to(cache or dtype) for _ in range(layers)]
+    vc = [torch.randn(nb, bs, kvh, d, generator=g).to(cache or dtype) for _ in range(layers)]
+    mirrors = [cpu_attention.DecodeMirror(layers, kvh, d, dtype, torch.device("cpu"), 1 << 24) for _ in range(2)]
+    tables = {0: list(range(0, 60)), 1: list(range(60, 120))}
+    done = {0: 0, 1: 0}
+    ran = []  # (length, whether the compiled kernel ran) of each one-row call
+
+    def one_row(*args):
+        out = cpu_compiled.decode_attention(*args)
+        ran.append((args[3], out is not None))
+        return out
+
+    for step in range(150):
+        batch = [(0, done[0], 5 if step == 0 else 1)]
+        if step % 40 == 20:  # the other sequence's prefill chunk in the same step
+            batch.append((1, done[1], 3))
+        q_lens = np.array([n for _, _, n in batch])
+        qsl = np.concatenate(([0], np.cumsum(q_lens)))
+        seq_lens = np.array([s + n for _, s, n in batch])
+        width = max(-(-int(x) // bs) for x in seq_lens)
+        bt = np.array([tables[sid][:width] for sid, _, _ in batch])
+        slots = torch.tensor([tables[sid][p // bs] * bs + p % bs for sid, s, n in batch for p in range(s, s + n)])
+
+        seq_ids = np.array([b[0] for b in batch])
+        metas = [
+            AttentionMetadata(
+                query_start_loc=torch.from_numpy(qsl).int(), seq_lens=torch.from_numpy(seq_lens).int(),
+                block_tables=torch.from_numpy(bt).int(), slot_mapping=slots,
+                host={"query_start_loc": qsl, "seq_lens": seq_lens, "seq_ids": seq_ids, "decode_mirror": m},
+            )
+            for m in (*mirrors, None)
+        ]  # fmt: skip
+        T = int(qsl[-1])
+        for layer in range(layers):
+            q, k, v = (torch.randn(T, n, d, generator=g).to(dtype) for n in (heads, kvh, kvh))
+            reference.store_kv(k, v, kc[layer], vc[layer], slots)
+            fast = cpu_attention.paged_attention(q, k, v, kc[layer], vc[layer], metas[0], 0.3, None, layer, one_row)
+            sdpa = cpu_attention.paged_attention(q, k, v, kc[layer], vc[layer], metas[1], 0.3, None, layer)
+            k, v = reference.kv_round_trip(k, kc[layer].dtype), reference.kv_round_trip(v, vc[layer].dtype)
+            ref = reference.paged_attention(*[t.float() for t in (q, k, v, kc[layer], vc[layer])], metas[2], 0.3)
+            torch.testing.assert_close(fast.float(), ref, rtol=8e-3, atol=8e-3)
+            torch.testing.assert_close(fast.float(), sdpa.float(), rtol=8e-3, atol=8e-3)
+        for sid, s, n in batch:
+            done[sid] = s + n
+    assert done[0] == 154 and np.array_equal(mirrors[0].lens, mirrors[1].lens)
+    n = int(mirrors[0].lens[0])
+    assert torch.equal(mirrors[0].k[:, :1, :, :n], mirrors[1].k[:, :1, :, :n])
+    assert torch.equal(mirrors[0].v[:, :1, :, :n], mirrors[1].v[:, :1, :, :n])
+    # every one-row step (all but the prefill) reached the kernel, which ran where it compiled
+    assert [n for n, _ in ran] == [n for n in range(6, 155) for _ in range(layers)]
+    assert all(ok == HAVE_CXX for _, ok in ran)
+
+
+def test_compiled_kernels_skip_inductors_wrapper_where_it_gives_the_same():
+    """_direct calls the compiled module's own entry point when, on the example inputs, it gives
+    what inductor's wrapper gives (tensors, views of inputs, one output unpacked as the wrapper
+    unpacks it); the wrapper otherwise."""
+    x = torch.randn(1, 24).bfloat16()
+    if not HAVE_CXX:  # no compiled kernels at all: the callers run the eager ops
+        assert cpu_compiled._run(lambda t: t + 1, (x,)) is None and cpu_compiled._failed
+        return
+
+    def fresh(t):
+        return t * 2, (t + 1).float()
+
+    def aliasing(t):
+        return t.view(4, 6), t * 3
+
+    for fn in (fresh, aliasing):
+        got = cpu_compiled._run(fn, (x,))
+        assert all(torch.equal(a, b) and a.shape == b.shape for a, b in zip(got, fn(x)))
+        assert getattr(cpu_compiled._compiled[(fn, x.dtype, x.shape)], "current_callable", None) is None
+    one = cpu_compiled._run(lambda t: t - 1, (x,))
+    assert isinstance(one, torch.Tensor) and torch.equal(one, x - 1)
+
+    def wrapper(t):
+        return t + 1
+
+    assert cpu_compiled._direct(wrapper, (x,)) is wrapper  # no entry point to call
+    wrapper.current_callable = lambda args: [args[0] + 2]  # an entry point that disagrees
+    assert cpu_compiled._direct(wrapper, (x,)) is wrapper
+    wrapper.current_callable = lambda args: [args.pop(0) + 1]  # agrees (and clears its list, as inductor's)
+    direct = cpu_compiled._direct(wrapper, (x,))
+    assert direct is not wrapper and torch.equal(direct(x), x + 1)
