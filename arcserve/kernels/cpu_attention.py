@@ -13,7 +13,9 @@ reference path.
 
 On CPUs without native half-precision products (AVX2-only), a bf16/fp16 cache gets a float32 mirror:
 torch emulates half attention there (SDPA at one query over 100 positions, SmolLM2's heads: ~150 us
-in bf16, ~35 us in float32), so the mirror then pays for itself from the first decode step.
+in bf16, ~35 us in float32), so the mirror then pays for itself from the first decode step. There,
+a step decoding one sequence runs its attention through the compiled kernel get_ops binds as
+`one_row` (cpu_compiled.decode_attention) instead of SDPA, where it applies.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class DecodeMirror:
         self.v: torch.Tensor | None = None
         self.ids: list[int] = []  # seq id held by each row
         self.lens = np.zeros(0, dtype=np.int64)  # tokens valid in each row
+        self.layer_index = [torch.tensor([i], device=device) for i in range(num_layers)]  # for one_row
         self.arena = self._arena(prefault) if prefault else None  # made at the first growth otherwise
 
     @staticmethod
@@ -192,25 +195,29 @@ class DecodeMirror:
         one_row: a kernel for a step of one row over its whole width (cpu_compiled.decode_attention's
         contract; None from it, or no kernel, runs SDPA)."""
         tok, fill = plan["tok"], plan["fill"]
-        K, V = self.k[layer], self.v[layer]
         if fill is not None:  # new decoders: copy their context from the paged cache, once
             first, blocks, n = fill
             rows = slice(first, first + blocks.shape[0])
+            K, V = self.k[layer], self.v[layer]
             K[rows, :, :n] = reference._gather(k_cache, blocks, K.dtype)[:, :, :n]
             V[rows, :, :n] = reference._gather(v_cache, blocks, V.dtype)[:, :, :n]
         if tok is not None:
             q, k, v = q[tok], k[tok], v[tok]
-        (n, heads, hd), kvh, L = q.shape, K.shape[1], plan["max_len"]
         # (as the paged cache holds this step's token: an 8-bit cache's rounding included)
         k, v = reference.kv_round_trip(k, k_cache.dtype), reference.kv_round_trip(v, v_cache.dtype)
-        if n == 1 and one_row is not None and plan["mask"] is None:
-            K[0, :, L - 1], V[0, :, L - 1] = k[0], v[0]
-            o = one_row(q, K[:1], V[:1], L, plan["length"], scale)
+        last = plan["last"]  # one row over its whole width: its new position in every layer
+        if last is not None and one_row is not None:
+            last[0][layer].copy_(k)
+            last[1][layer].copy_(v)
+            o = one_row(q, self.k, self.v, self.layer_index[layer], plan["max_len"], plan["length"], scale)
             if o is not None:
                 return o
-        # This step's token of each row: one index_copy_ per buffer at flat (row, head, pos) offsets.
-        K.view(-1, hd).index_copy_(0, plan["slots"], k.to(K.dtype).reshape(-1, hd))
-        V.view(-1, hd).index_copy_(0, plan["slots"], v.to(V.dtype).reshape(-1, hd))
+        K, V = self.k[layer], self.v[layer]
+        (n, heads, hd), kvh, L = q.shape, K.shape[1], plan["max_len"]
+        if last is None or one_row is None:
+            # This step's token of each row: one index_copy_ per buffer at flat (row, head, pos) offsets.
+            K.view(-1, hd).index_copy_(0, plan["slots"], k.to(K.dtype).reshape(-1, hd))
+            V.view(-1, hd).index_copy_(0, plan["slots"], v.to(V.dtype).reshape(-1, hd))
         # Rows form: the query heads sharing a KV head ride as its query rows (no mask among them);
         # GQA form: one query row per head, enable_gqa (gqa_form says which).
         gqa = self.gqa_form
@@ -264,8 +271,10 @@ def _plan(meta: AttentionMetadata, block_size: int, mirror: DecodeMirror | None,
             # flat offset of (row, head, the row's new position) in a layer's [rows, kvh, cap, hd]
             slots = (np.arange(len(rows))[:, None] * kvh + np.arange(kvh)[None, :]) * cap + (lens[order] - 1)[:, None]
             in_order = len(dec) == len(seq_lens) and np.array_equal(tok, np.arange(len(tok)))
+            one = len(rows) == 1 and mask is None  # one row read whole: its new position, all layers
             plan = {
                 "fill": fill, "max_len": max_len, "mask": mask, "length": torch.tensor(max_len),
+                "last": (mirror.k[:, :1, :, max_len - 1], mirror.v[:, :1, :, max_len - 1]) if one else None,
                 "tok": None if in_order else torch.from_numpy(tok).to(dev),
                 "slots": torch.from_numpy(slots.reshape(-1)).to(dev),
             }  # fmt: skip

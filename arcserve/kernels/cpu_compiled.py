@@ -10,14 +10,18 @@ runs both through generic paths (measured on a 2-vCPU AVX2 AMD EPYC, docs/BENCHM
   their arithmetic each (after a product has streamed megabytes through the caches); compiled
   kernels replace them, and each half of a decoder layer around attention (kernels/blocks.py:
   pre_attention, post_attention) runs as one compiled call with its products. The per-group
-  kernels below serve the final norm, the LM head, and layers whose weights have no rows16 copy.
+  kernels below serve the final norm, the LM head, and layers whose weights have no rows16 copy;
+- a single sequence's attention over its float32 decode-mirror row (decode_attention) costs SDPA's
+  fixed ~60-90 us a call at any short context; one compiled graph per length bucket replaces it.
 
 Rounding: the small-op groups are compiled with inductor's `emulate_precision_casts`, so they round
 where eager PyTorch rounds (the same bits as reference.py's ops); products accumulate in float32 and
-round once to the activations' dtype, as torch's do (the summation order differs).
+round once to the activations' dtype, as torch's do (the summation order differs); attention
+sums in float32 and rounds once, as SDPA over the float32 mirror does (its order differs too).
 
 Graphs are traced with make_fx and compiled by inductor's compile_fx directly: torch.compile's frame
-guards cost ~100 us per call here, more than these kernels. Each shape compiles once per process
+guards cost ~100 us per call here, more than these kernels (and compile_fx's own wrappers ~12 us,
+see _direct). Each shape compiles once per process
 (measured with inductor's disk cache warm: the first one-token step of a process took 6.4-8.0 s
 against 0.4 s eager). If compiling fails (no C++ compiler, an inductor change), the compiled path
 turns itself off with a warning and the eager ops run. `enforce_eager=True` (`--enforce-eager`)
@@ -241,29 +245,31 @@ def post_attention(ops, attn, residual, lw, eps):
 ATTENTION_BUCKETS = (128, 256, 512, 1024)
 
 
-def _attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, length: torch.Tensor, *, scale: float) -> torch.Tensor:
-    """q [1, heads, hd] over the first `length` positions of K, V [1, kv heads, bucket, hd]
-    (float32), query heads grouped on their KV head as SDPA's GQA does; the result in q's dtype."""
-    kvh, width, hd = K.shape[1:]
+def _attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, layer: torch.Tensor, length: torch.Tensor, *,
+            width: int, scale: float) -> torch.Tensor:  # fmt: skip
+    """q [1, heads, hd] over the first `length` positions of row 0 of layer `layer` (a 1-element
+    index) of K, V [layers, rows, kv heads, capacity, hd] (float32), `width` positions read, query
+    heads grouped on their KV head as SDPA's GQA does; the result in q's dtype."""
+    kvh, hd = K.shape[2], K.shape[4]
+    k, v = K[layer][0, 0, :, :width], V[layer][0, 0, :, :width]  # [kvh, width, hd]
     qf = q.float().view(kvh, -1, hd)
-    s = (qf[:, :, None, :] * K[0][:, None]).sum(-1) * scale  # [kvh, group, width]
+    s = (qf[:, :, None, :] * k[:, None]).sum(-1) * scale  # [kvh, group, width]
     s = torch.where(torch.arange(width) < length, s, float("-inf"))
-    o = (torch.softmax(s, -1)[..., None] * V[0][:, None]).sum(-2)  # [kvh, group, hd]
+    o = (torch.softmax(s, -1)[..., None] * v[:, None]).sum(-2)  # [kvh, group, hd]
     return o.reshape(1, -1, hd).to(q.dtype)
 
 
-def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, length: int, length_t: torch.Tensor,
-                     scale: float) -> torch.Tensor | None:  # fmt: skip
+def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, layer: torch.Tensor, length: int,
+                     length_t: torch.Tensor, scale: float) -> torch.Tensor | None:  # fmt: skip
     """Attention of one sequence's one decode token (q [1, heads, hd], half) over the first
-    `length` positions (also given as the 0-d tensor length_t) of its float32 KV rows
-    K, V [1, kv heads, capacity, hd] (cpu_attention.DecodeMirror's row), as one compiled call
-    in place of SDPA (measured on a 2-vCPU AVX2 EPYC, SmolLM2's heads at ~100 positions: ~25-55
-    us against SDPA's ~60-90 us and its dtype conversions). None where it does not apply (the
+    `length` positions (also given as the 0-d tensor length_t) of row 0 of layer `layer` (a
+    1-element int64 tensor) of the float32 KV buffers K, V [layers, rows, kv heads, capacity, hd]
+    (cpu_attention.DecodeMirror's), as one compiled call in place of SDPA: the layer is picked
+    inside the graph, so the caller makes no views per layer. None where it does not apply (the
     caller runs SDPA): not a one-token half step, or a context past the largest bucket."""
     if not _one_token(q) or K.dtype != torch.float32:
         return None
     width = next((b for b in ATTENTION_BUCKETS if b >= length), None)
-    if width is None or width > K.shape[2]:
+    if width is None or width > K.shape[3]:
         return None
-    args = (q, K[:, :, :width], V[:, :, :width], length_t)
-    return _run(_attend, args, layout=(K.stride(), V.stride()), scale=scale)
+    return _run(_attend, (q, K, V, layer, length_t), layout=(K.stride(), V.stride()), width=width, scale=scale)

@@ -235,7 +235,10 @@ def test_one_token_attention_matches_sdpa(dtype, heads, kvh):
     for length in (1, 37, 127, 128, 129, 300, 512, 513, 1024):
         K, V = _mirror_rows(kvh, d, cap, length, g)
         q = (torch.randn(1, heads, d, generator=g) * 2).to(dtype)
-        got = cpu_compiled.decode_attention(q, K, V, length, torch.tensor(length), 0.3)
+        # the row as layer 2 of 3 ([layers, rows, kv heads, capacity, hd]; other layers, other rows: noise)
+        Ks, Vs = torch.randn(3, 2, kvh, cap, d, generator=g), torch.randn(3, 2, kvh, cap, d, generator=g)
+        Ks[2, 0], Vs[2, 0] = K[0], V[0]
+        got = cpu_compiled.decode_attention(q, Ks, Vs, torch.tensor([2]), length, torch.tensor(length), 0.3)
         want = F.scaled_dot_product_attention(
             q.float().view(1, kvh, heads // kvh, d), K[:, :, :length], V[:, :, :length], scale=0.3
         ).view(1, heads, d)  # fmt: skip
@@ -245,12 +248,13 @@ def test_one_token_attention_matches_sdpa(dtype, heads, kvh):
         assert got.shape == (1, heads, d) and got.dtype == dtype
         torch.testing.assert_close(got.float(), want, **tol)
     check_compiled(cpu_compiled._attend)
-    q = torch.randn(1, heads, d, generator=g).to(dtype)
+    q, zero = torch.randn(1, heads, d, generator=g).to(dtype), torch.tensor([0])
     K, V = _mirror_rows(kvh, d, cap, 1100, g)
-    assert cpu_compiled.decode_attention(q, K, V, 1100, torch.tensor(1100), 0.3) is None  # past the buckets
+    assert cpu_compiled.decode_attention(q, K[None], V[None], zero, 1100, torch.tensor(1100), 0.3) is None  # too long
     K, V = _mirror_rows(kvh, d, 384, 300, g)
-    assert cpu_compiled.decode_attention(q, K, V, 300, torch.tensor(300), 0.3) is None  # bucket 512 > capacity
-    assert cpu_compiled.decode_attention(q.float(), *_mirror_rows(kvh, d, cap, 9, g), 9, torch.tensor(9), 0.3) is None
+    assert cpu_compiled.decode_attention(q, K[None], V[None], zero, 300, torch.tensor(300), 0.3) is None  # 512 > 384
+    K, V = _mirror_rows(kvh, d, cap, 9, g)
+    assert cpu_compiled.decode_attention(q.float(), K[None], V[None], zero, 9, torch.tensor(9), 0.3) is None
 
 
 @pytest.mark.parametrize("cache", [None, torch.float8_e4m3fn])
@@ -271,7 +275,7 @@ def test_mirror_single_decoder_through_the_compiled_attention(cache):
 
     def one_row(*args):
         out = cpu_compiled.decode_attention(*args)
-        ran.append((args[3], out is not None))
+        ran.append((args[4], out is not None))
         return out
 
     for step in range(150):
