@@ -71,5 +71,6 @@ def main() -> None:
         diff = (outs["sdpa"].float() - outs["compiled"].float()).abs().max().item()
         print(f"{length:>8} {per['sdpa']:>14.1f} {per['compiled']:>18.1f} {diff:>11.2e}", flush=True)
 
+
 if __name__ == "__main__":
     main()
