@@ -129,17 +129,26 @@ def test_sigterm_drains_then_stops_the_rest_and_exits_0(llama_dir, tmp_path):
     # a long request needs more positions than the tiny model's 512 (the model's outputs do not matter)
     with cli_server(llama_dir, log, *flags, env={"ARCSERVE_ALLOW_LONG_MAX_MODEL_LEN": "1"}) as (proc, base):
 
+        started = {"short": threading.Event(), "long": threading.Event()}
+
         def stream(key, max_tokens):
             body = {**PARAMS, "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
                     "stream": True}  # fmt: skip
+
+            def lines(r):  # tells the test when the first event arrives
+                for line in r.iter_lines():
+                    started[key].set()
+                    yield line
+
             with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
-                results[key] = (r.status_code, sse_lines(r.iter_lines(), limit=100_000))
+                results[key] = (r.status_code, sse_lines(lines(r), limit=100_000))
 
         short = threading.Thread(target=stream, args=("short", 32))
         long = threading.Thread(target=stream, args=("long", 16000))  # far longer than the timeout
         long.start()
         short.start()
-        time.sleep(0.5)  # both are generating
+        # both admitted and streaming (a fixed sleep raced the short one's admission on a slow VM)
+        assert started["long"].wait(30) and started["short"].wait(30)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
