@@ -2,7 +2,7 @@
 against SDPA over the decode mirror: one LLM, one request of 32 random prompt tokens decoding
 128 greedy tokens per round, the two arms alternating with their order flipped every round (this
 VM's speed drifts within minutes). The SDPA arm is the same engine with decode_attention declining
-every call, so both arms append to the mirror the same way.
+every step (the mirror's general path: index_copy_ appends, SDPA).
 
     python benchmarks/cpu_attention_ab.py --model ~/.cache/arcserve/models/SmolLM2-135M-Instruct --rounds 8
 

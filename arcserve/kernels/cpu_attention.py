@@ -189,11 +189,9 @@ class DecodeMirror:
         return rows, fill
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache, v_cache,
-               plan: dict, scale: float, one_row: Callable | None = None) -> torch.Tensor:  # fmt: skip
+               plan: dict, scale: float) -> torch.Tensor:  # fmt: skip
         """Attention of the decode tokens, in row order (plan["tok"][r] is row r's token), in q's
-        dtype. plan["tok"] is None when the decode tokens are the step's tokens in row order.
-        one_row: a kernel for a step of one row over its whole width (cpu_compiled.decode_attention's
-        contract; None from it, or no kernel, runs SDPA)."""
+        dtype. plan["tok"] is None when the decode tokens are the step's tokens in row order."""
         tok, fill = plan["tok"], plan["fill"]
         if fill is not None:  # new decoders: copy their context from the paged cache, once
             first, blocks, n = fill
@@ -205,19 +203,18 @@ class DecodeMirror:
             q, k, v = q[tok], k[tok], v[tok]
         # (as the paged cache holds this step's token: an 8-bit cache's rounding included)
         k, v = reference.kv_round_trip(k, k_cache.dtype), reference.kv_round_trip(v, v_cache.dtype)
-        last = plan["last"]  # one row over its whole width: its new position in every layer
-        if last is not None and one_row is not None:
-            last[0][layer].copy_(k)
-            last[1][layer].copy_(v)
-            o = one_row(q, self.k, self.v, self.layer_index[layer], plan["max_len"], plan["length"], scale)
+        if plan["one_row"] is not None:  # one row read whole, through the step's compiled kernel
+            k_last, v_last, run = plan["one_row"]
+            k_last[layer].copy_(k)
+            v_last[layer].copy_(v)
+            o = run(q, self.layer_index[layer])
             if o is not None:
-                return o
+                return o  # (else it failed to compile: SDPA below, the token written again)
         K, V = self.k[layer], self.v[layer]
         (n, heads, hd), kvh, L = q.shape, K.shape[1], plan["max_len"]
-        if last is None or one_row is None:
-            # This step's token of each row: one index_copy_ per buffer at flat (row, head, pos) offsets.
-            K.view(-1, hd).index_copy_(0, plan["slots"], k.to(K.dtype).reshape(-1, hd))
-            V.view(-1, hd).index_copy_(0, plan["slots"], v.to(V.dtype).reshape(-1, hd))
+        # This step's token of each row: one index_copy_ per buffer at flat (row, head, pos) offsets.
+        K.view(-1, hd).index_copy_(0, plan["slots"], k.to(K.dtype).reshape(-1, hd))
+        V.view(-1, hd).index_copy_(0, plan["slots"], v.to(V.dtype).reshape(-1, hd))
         # Rows form: the query heads sharing a KV head ride as its query rows (no mask among them);
         # GQA form: one query row per head, enable_gqa (gqa_form says which).
         gqa = self.gqa_form
@@ -234,22 +231,25 @@ def paged_attention(
     meta: AttentionMetadata, scale: float, sliding_window: int | None = None, layer: int = 0,
     one_row: Callable | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """Same contract as reference.paged_attention; decode tokens go through meta's DecodeMirror
-    (one_row: see DecodeMirror.attend; get_ops binds it)."""
+    """Same contract as reference.paged_attention; decode tokens go through meta's DecodeMirror.
+    one_row (get_ops binds cpu_compiled.decode_attention): for a step whose decoding is one row
+    read whole, one_row(K, V, length, dtype, scale) gives the step's attention kernel or None."""
     mirror: DecodeMirror | None = meta.host.get("decode_mirror")
-    plan = _plan(meta, k_cache.shape[1], mirror, sliding_window)
+    plan = _plan(meta, k_cache.shape[1], mirror, sliding_window, one_row, q.dtype, scale)
     if plan is None:
         return reference.paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
     if plan["tok"] is None:  # decode-only step, tokens in row order
-        return mirror.attend(layer, q, k, v, k_cache, v_cache, plan, scale, one_row)
+        return mirror.attend(layer, q, k, v, k_cache, v_cache, plan, scale)
     # Prefill chunks (if any) through the reference; decode rows from the mirror into the same output.
     out = reference.paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, skip_decode=True)
-    out[plan["tok"]] = mirror.attend(layer, q, k, v, k_cache, v_cache, plan, scale, one_row)
+    out[plan["tok"]] = mirror.attend(layer, q, k, v, k_cache, v_cache, plan, scale)
     return out
 
 
-def _plan(meta: AttentionMetadata, block_size: int, mirror: DecodeMirror | None, sliding_window: int | None):
-    """Once per step: rows for this step's decoders, in row order, or None to gather instead."""
+def _plan(meta: AttentionMetadata, block_size: int, mirror: DecodeMirror | None, sliding_window: int | None,
+          one_row: Callable | None, dtype: torch.dtype, scale: float):  # fmt: skip
+    """Once per step: rows for this step's decoders, in row order, or None to gather instead; and
+    the step's one-row kernel where one_row gives one (the new position's views with it)."""
     if "mirror_plan" in meta.cache:
         return meta.cache["mirror_plan"]
     plan = None
@@ -271,10 +271,13 @@ def _plan(meta: AttentionMetadata, block_size: int, mirror: DecodeMirror | None,
             # flat offset of (row, head, the row's new position) in a layer's [rows, kvh, cap, hd]
             slots = (np.arange(len(rows))[:, None] * kvh + np.arange(kvh)[None, :]) * cap + (lens[order] - 1)[:, None]
             in_order = len(dec) == len(seq_lens) and np.array_equal(tok, np.arange(len(tok)))
-            one = len(rows) == 1 and mask is None  # one row read whole: its new position, all layers
+            run = None
+            if one_row is not None and len(rows) == 1 and mask is None:
+                run = one_row(mirror.k, mirror.v, max_len, dtype, scale)
             plan = {
-                "fill": fill, "max_len": max_len, "mask": mask, "length": torch.tensor(max_len),
-                "last": (mirror.k[:, :1, :, max_len - 1], mirror.v[:, :1, :, max_len - 1]) if one else None,
+                "fill": fill, "max_len": max_len, "mask": mask,
+                # the row's new position in every layer, viewed once for the step, and its kernel
+                "one_row": None if run is None else (mirror.k[:, :1, :, max_len - 1], mirror.v[:, :1, :, max_len - 1], run),
                 "tok": None if in_order else torch.from_numpy(tok).to(dev),
                 "slots": torch.from_numpy(slots.reshape(-1)).to(dev),
             }  # fmt: skip

@@ -56,8 +56,15 @@ def _one_token(x: torch.Tensor) -> bool:
 
 
 def _run(fn: Callable, args: tuple, layout: tuple = (), **static):
-    """fn(*args, **static) through its compiled kernel, compiled on first use for these shapes,
-    dtype and static values; None when compiling fails (the caller runs the eager ops). The key
+    """fn(*args, **static) through its compiled kernel (_kernel); None when compiling fails (the
+    caller runs the eager ops)."""
+    got = _kernel(fn, args, layout, **static)
+    return None if got is None else got(*args)
+
+
+def _kernel(fn: Callable, args: tuple, layout: tuple = (), **static) -> Callable | None:
+    """The compiled kernel of fn(*args, **static), compiled on first use for these shapes,
+    dtype and static values; None when compiling fails. The key
     leaves strides out (a few us per call on the per-token path): every call site passes the same
     layout for the same shapes (contiguous activations and weights, rope_cos_sin's views), and the
     compiled code asserts it; a call site whose strides vary for the same shapes names them in
@@ -80,7 +87,7 @@ def _run(fn: Callable, args: tuple, layout: tuple = (), **static):
             _failed.append(f"{type(e).__name__}: {e}")
             log.warning("compiling a CPU decode kernel failed (%s); running the eager ops instead", _failed[0][:300])
             return None
-    return got(*args)
+    return got
 
 
 def _direct(wrapped: Callable, args: tuple) -> Callable:
@@ -259,17 +266,30 @@ def _attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, layer: torch.Tens
     return o.reshape(1, -1, hd).to(q.dtype)
 
 
-def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, layer: torch.Tensor, length: int,
-                     length_t: torch.Tensor, scale: float) -> torch.Tensor | None:  # fmt: skip
-    """Attention of one sequence's one decode token (q [1, heads, hd], half) over the first
-    `length` positions (also given as the 0-d tensor length_t) of row 0 of layer `layer` (a
-    1-element int64 tensor) of the float32 KV buffers K, V [layers, rows, kv heads, capacity, hd]
-    (cpu_attention.DecodeMirror's), as one compiled call in place of SDPA: the layer is picked
-    inside the graph, so the caller makes no views per layer. None where it does not apply (the
-    caller runs SDPA): not a one-token half step, or a context past the largest bucket."""
-    if not _one_token(q) or K.dtype != torch.float32:
+def decode_attention(K: torch.Tensor, V: torch.Tensor, length: int, dtype: torch.dtype,
+                     scale: float) -> Callable | None:  # fmt: skip
+    """For a step decoding one sequence over the first `length` positions of row 0 of the float32
+    KV buffers K, V [layers, rows, kv heads, capacity, hd] (cpu_attention.DecodeMirror's), queries
+    in `dtype`: the step's attention, `run(q, layer)` (q [1, heads, hd]; layer a 1-element int64
+    tensor, picked inside the graph so the caller makes no views per layer), as one compiled call
+    in place of SDPA. Everything but q and the layer is decided here, once per step; the kernel is
+    looked up at the first layer. None where it does not apply (the caller runs SDPA): not a half
+    model on a CPU that emulates half products, or a context past the largest bucket; `run`
+    returns None if the kernel fails to compile."""
+    if _failed or not _emulated(dtype) or K.dtype != torch.float32:
         return None
     width = next((b for b in ATTENTION_BUCKETS if b >= length), None)
     if width is None or width > K.shape[3]:
         return None
-    return _run(_attend, (q, K, V, layer, length_t), layout=(K.stride(), V.stride()), width=width, scale=scale)
+    length_t, layout, kernel = torch.tensor(length), (K.stride(), V.stride()), None
+
+    def run(q: torch.Tensor, layer: torch.Tensor) -> torch.Tensor | None:
+        nonlocal kernel
+        args = (q, K, V, layer, length_t)
+        if kernel is None:
+            kernel = _kernel(_attend, args, layout, width=width, scale=scale)
+            if kernel is None:
+                return None
+        return kernel(*args)
+
+    return run
