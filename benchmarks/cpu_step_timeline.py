@@ -39,7 +39,8 @@ def main() -> None:
     def params(olen: int) -> SamplingParams:
         return SamplingParams(temperature=0.6, max_tokens=olen, ignore_eos=True)
 
-    llm.generate([{"prompt_token_ids": q} for q, _ in reqs[:4]], [params(16)] * 4, use_tqdm=False)  # warm-up
+    warm = reqs[:4]
+    llm.generate([{"prompt_token_ids": q} for q, _ in warm], [params(16)] * len(warm), use_tqdm=False)  # warm-up
 
     timers: dict[str, float] = collections.defaultdict(float)
 

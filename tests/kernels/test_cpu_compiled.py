@@ -85,19 +85,20 @@ def test_qkv_prepare_gives_the_eager_bits(qk_norm):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_one_token_product_over_rows16(dtype):
+@pytest.mark.parametrize("n, tile", [(80, 16), (96, 32)])  # the widest tile that divides the outputs
+def test_one_token_product_over_rows16(dtype, n, tile):
     g = torch.Generator().manual_seed(2)
-    w = (torch.randn(80, 96, generator=g) / 8).to(dtype)
-    b = torch.randn(80, generator=g).to(dtype)
+    w = (torch.randn(n, 96, generator=g) / 8).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
     packed = cpu_compiled.pack_linear_weight(w)
     assert torch.equal(packed.half, w)
-    # rows16[i, k, j] is W[16 i + j, k]
-    assert torch.equal(packed.rows16, w.view(5, 16, 96).transpose(1, 2))
+    # rows16[i, k, j] is W[tile i + j, k]
+    assert torch.equal(packed.rows16, w.view(n // tile, tile, 96).transpose(1, 2))
     for bias in (None, b):
         x = torch.randn(1, 96, generator=g).to(dtype)
         got = cpu_compiled.linear(x, packed, bias)
         want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
-        assert got.dtype == dtype and got.shape == (1, 80)
+        assert got.dtype == dtype and got.shape == (1, n)
         # float32 sums in another order, rounded once: within one unit of the last place
         ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
         assert ((got.float() - want).abs() <= want.abs() * ulp + 1e-6).all()
