@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
-from arcserve.kernels import blocks, cpu_attention, cpu_compiled, reference
+from arcserve.kernels import blocks, cpu_attention, cpu_compiled, cpu_layer, reference
 from arcserve.platform import triton_available
 
 KERNEL_CHOICES = ("auto", "torch", "triton")
@@ -48,7 +48,8 @@ def get_ops(kernels: str, device: torch.device, compiled: bool = True) -> Simple
         paged_attention=cpu_attention.paged_attention if cpu else reference.paged_attention,
         make_decode_mirror=cpu_attention.DecodeMirror if cpu else None,
     )
-    halves = dict(pre_attention=blocks.pre_attention, post_attention=blocks.post_attention)
+    composed = dict(pre_attention=blocks.pre_attention, post_attention=blocks.post_attention,
+                    decoder_layer=blocks.decoder_layer)  # fmt: skip
     if cpu and name == "torch" and compiled:
         # one-token steps of half models on CPUs that emulate half products: compiled kernels
         ops.update(
@@ -60,7 +61,8 @@ def get_ops(kernels: str, device: torch.device, compiled: bool = True) -> Simple
             qkv_prepare=cpu_compiled.qkv_prepare,
             paged_attention=functools.partial(cpu_attention.paged_attention, one_row=cpu_compiled.decode_attention),
         )
-        halves = dict(pre_attention=cpu_compiled.pre_attention, post_attention=cpu_compiled.post_attention)
+        composed = dict(pre_attention=cpu_compiled.pre_attention, post_attention=cpu_compiled.post_attention,
+                        decoder_layer=functools.partial(cpu_layer.decoder_layer, one_row=cpu_compiled.decode_attention))  # fmt: skip
     if name == "triton":
         from arcserve.kernels import triton_attention, triton_linear, triton_ops, triton_sampling
 
@@ -77,6 +79,6 @@ def get_ops(kernels: str, device: torch.device, compiled: bool = True) -> Simple
             pack_linear_weight=lambda weight: weight,  # Triton kernels read the checkpoint's layout
         )
     ns = SimpleNamespace(**ops)
-    for key, fn in halves.items():  # a layer's halves around attention, over the ops chosen above
+    for key, fn in composed.items():  # a layer and its halves around attention, over the ops chosen above
         setattr(ns, key, functools.partial(fn, ns))
     return ns

@@ -1,18 +1,48 @@
 """A decoder layer's two halves around attention, composed from a kernel namespace's ops.
 
-The model calls `ops.pre_attention` and `ops.post_attention` (get_ops binds `ops` to these), so a
-backend may run either half as one unit: cpu_compiled does for one-token steps, where one compiled
-call per half replaces the ~5 calls (and their per-call overhead) it is made of. Any other backend
-or step runs the ops below one after another.
+The model calls `ops.decoder_layer` (get_ops binds `ops` to these), which is `decoder_layer` below
+(pre_attention, ops.paged_attention, post_attention) except where a backend runs a whole layer as
+one unit: cpu_layer.py does for steps decoding one sequence. The halves are units of their own
+too: cpu_compiled runs each as one compiled call for other one-token steps, replacing the ~5 calls
+(and their per-call overhead) each is made of. Any other backend or step runs the ops below one
+after another.
 
 `lw` is the layer's weights (models.decoder.LayerWeights: any object with those fields).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+
+
+@dataclass(frozen=True)
+class LayerDims:
+    """What every decoder layer of a model shares: head counts and size, norm epsilon, attention
+    scale and sliding window."""
+
+    num_q: int
+    num_kv: int
+    head_dim: int
+    eps: float
+    scale: float
+    sliding_window: int | None
+
+
+def decoder_layer(
+    ops: SimpleNamespace, x: torch.Tensor, residual: torch.Tensor | None, lw, layer: int, dims: LayerDims,
+    rope: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One decoder layer: pre_attention, attention over the paged cache (`meta`: the step's
+    AttentionMetadata; `layer`: this layer's index), post_attention. Returns the layer's output
+    and the new residual."""
+    d = dims
+    q, k, v, residual = ops.pre_attention(x, residual, lw, d.eps, rope, d.num_q, d.num_kv, d.head_dim, k_cache,
+                                          v_cache, meta.slot_mapping)  # fmt: skip
+    attn = ops.paged_attention(q, k, v, k_cache, v_cache, meta, d.scale, d.sliding_window, layer)
+    return ops.post_attention(attn.view(x.shape[0], d.num_q * d.head_dim), residual, lw, d.eps)
 
 
 def pre_attention(

@@ -188,17 +188,22 @@ class DecodeMirror:
             fill = (refill[0][1], block_tables[idx, : -(-prev // block_size)].long(), prev)
         return rows, fill
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache, v_cache,
-               plan: dict, scale: float) -> torch.Tensor:  # fmt: skip
-        """Attention of the decode tokens, in row order (plan["tok"][r] is row r's token), in q's
-        dtype. plan["tok"] is None when the decode tokens are the step's tokens in row order."""
-        tok, fill = plan["tok"], plan["fill"]
-        if fill is not None:  # new decoders: copy their context from the paged cache, once
-            first, blocks, n = fill
+    def refill(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: dict) -> None:
+        """The step's new decoders (plan["fill"]): their context copied into their rows from the
+        paged cache, once (before their first decode step's attention, layer by layer)."""
+        if plan["fill"] is not None:
+            first, blocks, n = plan["fill"]
             rows = slice(first, first + blocks.shape[0])
             K, V = self.k[layer], self.v[layer]
             K[rows, :, :n] = reference._gather(k_cache, blocks, K.dtype)[:, :, :n]
             V[rows, :, :n] = reference._gather(v_cache, blocks, V.dtype)[:, :, :n]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache, v_cache,
+               plan: dict, scale: float) -> torch.Tensor:  # fmt: skip
+        """Attention of the decode tokens, in row order (plan["tok"][r] is row r's token), in q's
+        dtype. plan["tok"] is None when the decode tokens are the step's tokens in row order."""
+        tok = plan["tok"]
+        self.refill(layer, k_cache, v_cache, plan)
         if tok is not None:
             q, k, v = q[tok], k[tok], v[tok]
         # (as the paged cache holds this step's token: an 8-bit cache's rounding included)

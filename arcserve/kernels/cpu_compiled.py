@@ -258,44 +258,60 @@ def post_attention(ops, attn, residual, lw, eps):
 ATTENTION_BUCKETS = (128, 256, 512, 1024)
 
 
-def _attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, layer: torch.Tensor, length: torch.Tensor, *,
-            width: int, scale: float) -> torch.Tensor:  # fmt: skip
+def _attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, layer: torch.Tensor, length: torch.Tensor,
+            *new: torch.Tensor, width: int, scale: float) -> torch.Tensor:  # fmt: skip
     """q [1, heads, hd] over the first `length` positions of row 0 of layer `layer` (a 1-element
     index) of K, V [layers, rows, kv heads, capacity, hd] (float32), `width` positions read, query
-    heads grouped on their KV head as SDPA's GQA does; the result in q's dtype."""
+    heads grouped on their KV head as SDPA's GQA does; the result in q's dtype. `new`, when given,
+    is the step's k and v ([1, kv heads, hd]): they stand in for position length - 1 (the row
+    holds them only after the step, cpu_layer.py)."""
     kvh, hd = K.shape[2], K.shape[4]
     k, v = K[layer][0, 0, :, :width], V[layer][0, 0, :, :width]  # [kvh, width, hd]
+    pos = torch.arange(width)
+    if new:
+        last = (pos == length - 1)[None, :, None]
+        k = torch.where(last, new[0].float().view(kvh, 1, hd), k)
+        v = torch.where(last, new[1].float().view(kvh, 1, hd), v)
     qf = q.float().view(kvh, -1, hd)
     s = (qf[:, :, None, :] * k[:, None]).sum(-1) * scale  # [kvh, group, width]
-    s = torch.where(torch.arange(width) < length, s, float("-inf"))
+    s = torch.where(pos < length, s, float("-inf"))
     o = (torch.softmax(s, -1)[..., None] * v[:, None]).sum(-2)  # [kvh, group, hd]
     return o.reshape(1, -1, hd).to(q.dtype)
 
 
+class OneRowAttention:
+    """A step's attention for one decoding sequence over the first `length` positions of row 0 of
+    the float32 KV buffers K, V [layers, rows, kv heads, capacity, hd] (cpu_attention.DecodeMirror's),
+    read `width` positions wide (the length's bucket): `self(q, layer)` runs it as one compiled call
+    (q [1, heads, hd]; layer a 1-element int64 tensor, picked inside the graph so the caller makes
+    no views per layer), or returns None if the kernel fails to compile. cpu_layer.py compiles the
+    same attention into a whole layer's graph from these fields."""
+
+    def __init__(self, K: torch.Tensor, V: torch.Tensor, length: int, width: int, scale: float) -> None:
+        self.K, self.V, self.width, self.scale = K, V, width, scale
+        self.length = torch.tensor(length)
+        self.layout = (K.stride(), V.stride())  # the kernels' key: the buffers' strides change as the mirror grows
+        self._kernel: Callable | None = None
+
+    def __call__(self, q: torch.Tensor, layer: torch.Tensor) -> torch.Tensor | None:
+        args = (q, self.K, self.V, layer, self.length)
+        if self._kernel is None:  # looked up at the step's first layer
+            self._kernel = _kernel(_attend, args, self.layout, width=self.width, scale=self.scale)
+            if self._kernel is None:
+                return None
+        return self._kernel(*args)
+
+
 def decode_attention(K: torch.Tensor, V: torch.Tensor, length: int, dtype: torch.dtype,
-                     scale: float) -> Callable | None:  # fmt: skip
+                     scale: float) -> OneRowAttention | None:  # fmt: skip
     """For a step decoding one sequence over the first `length` positions of row 0 of the float32
-    KV buffers K, V [layers, rows, kv heads, capacity, hd] (cpu_attention.DecodeMirror's), queries
-    in `dtype`: the step's attention, `run(q, layer)` (q [1, heads, hd]; layer a 1-element int64
-    tensor, picked inside the graph so the caller makes no views per layer), as one compiled call
-    in place of SDPA. Everything but q and the layer is decided here, once per step; the kernel is
-    looked up at the first layer. None where it does not apply (the caller runs SDPA): not a half
-    model on a CPU that emulates half products, or a context past the largest bucket; `run`
-    returns None if the kernel fails to compile."""
+    KV buffers K, V (cpu_attention.DecodeMirror's), queries in `dtype`: the step's attention
+    (OneRowAttention), decided here once per step, in place of SDPA. None where it does not apply
+    (the caller runs SDPA): not a half model on a CPU that emulates half products, or a context
+    past the largest bucket."""
     if _failed or not _emulated(dtype) or K.dtype != torch.float32:
         return None
     width = next((b for b in ATTENTION_BUCKETS if b >= length), None)
     if width is None or width > K.shape[3]:
         return None
-    length_t, layout, kernel = torch.tensor(length), (K.stride(), V.stride()), None
-
-    def run(q: torch.Tensor, layer: torch.Tensor) -> torch.Tensor | None:
-        nonlocal kernel
-        args = (q, K, V, layer, length_t)
-        if kernel is None:
-            kernel = _kernel(_attend, args, layout, width=width, scale=scale)
-            if kernel is None:
-                return None
-        return kernel(*args)
-
-    return run
+    return OneRowAttention(K, V, length, width, scale)

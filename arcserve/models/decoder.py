@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from arcserve.kernels.blocks import LayerDims
 from arcserve.kernels.reference import AttentionMetadata
 from arcserve.models.config import ModelConfig
 
@@ -55,6 +56,8 @@ class DecoderModel:
         self.kv_cache_dtype = self.dtype  # the engine sets an 8-bit float here for kv_cache_dtype="fp8..."
         self.cos_sin = cfg.rope_cos_sin(max_positions).to(self.device)
         self.scale = cfg.head_dim**-0.5
+        self.dims = LayerDims(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, self.scale,
+                              cfg.sliding_window)  # fmt: skip
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
@@ -66,21 +69,15 @@ class DecoderModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """input_ids/positions: [T]. Returns the final hidden states [T, hidden]."""
-        cfg, ops = self.cfg, self.ops
-        T = input_ids.shape[0]
-        h, d, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
+        ops = self.ops
         x = F.embedding(input_ids, self.embed)
         residual = None
         rope = ops.rope_cos_sin(self.cos_sin, positions, self.dtype)
-        nq, nkv = h, cfg.num_kv_heads
         for i, (lw, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            # add + RMSNorm, qkv, q/k norm (Qwen3) and RoPE, K/V into the paged cache (kernels/blocks.py)
-            q, k, v, residual = ops.pre_attention(x, residual, lw, eps, rope, nq, nkv, d, k_cache, v_cache,
-                                                  meta.slot_mapping)  # fmt: skip
-            attn = ops.paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, cfg.sliding_window, i)
-            # o, add + RMSNorm, gate_up, SiLU-mul, down
-            x, residual = ops.post_attention(attn.view(T, h * d), residual, lw, eps)
-        x, _ = ops.fused_add_rms_norm(x, residual, self.final_norm, eps)
+            # add + RMSNorm, qkv, q/k norm (Qwen3) and RoPE, K/V into the paged cache, attention,
+            # o, add + RMSNorm, gate_up, SiLU-mul, down (kernels/blocks.py)
+            x, residual = ops.decoder_layer(x, residual, lw, i, self.dims, rope, k_cache, v_cache, meta)
+        x, _ = ops.fused_add_rms_norm(x, residual, self.final_norm, self.dims.eps)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

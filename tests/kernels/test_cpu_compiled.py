@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from arcserve import LLM, SamplingParams
-from arcserve.kernels import blocks, cpu_attention, cpu_compiled, get_ops, reference
+from arcserve.kernels import blocks, cpu_attention, cpu_compiled, cpu_layer, get_ops, reference
 
 HAVE_CXX = shutil.which("g++") is not None  # what inductor compiles its CPU kernels with
 
@@ -141,6 +141,10 @@ def test_enforce_eager_keeps_the_eager_ops():
     ops = get_ops("torch", torch.device("cpu"))
     assert ops.linear is cpu_compiled.linear and ops.add_rms_norm_linear is cpu_compiled.add_rms_norm_linear
     assert ops.paged_attention.keywords == {"one_row": cpu_compiled.decode_attention}
+    # a step decoding one sequence: whole layers (cpu_layer), planned by the same one-row attention
+    assert ops.decoder_layer.func is cpu_layer.decoder_layer
+    assert ops.decoder_layer.keywords == {"one_row": cpu_compiled.decode_attention}
+    assert get_ops("torch", torch.device("cpu"), compiled=False).decoder_layer.func is blocks.decoder_layer
 
 
 def test_engine_decodes_the_same_tokens_compiled_and_eager(llama_dir):
@@ -155,10 +159,9 @@ def test_engine_decodes_the_same_tokens_compiled_and_eager(llama_dir):
     assert fast.llm_engine.model.layers[0].gate_up.rows16 is not None
     got = fast.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
     assert got == want
-    if HAVE_CXX:  # the one-token steps took the compiled layer halves and the LM head's product
+    if HAVE_CXX:  # the one-token steps took the compiled layers (tests/kernels/test_cpu_layer.py) and LM head
         assert compiled_keys(cpu_compiled._gemv) > before and not cpu_compiled._failed
-        assert compiled_keys(cpu_compiled._pre) and compiled_keys(cpu_compiled._post)
-        assert compiled_keys(cpu_compiled._attend)  # one-token attention over the decode mirror
+        assert compiled_keys(cpu_layer._layer)
 
 
 def _layer(g, dtype, hidden, inter, nq, nkv, d, bias: bool, qk_norm: bool):

@@ -1,0 +1,131 @@
+"""A step that decodes one sequence, on a CPU that emulates half products: each decoder layer as
+one compiled call (cpu_compiled's pre_attention arithmetic, the one-row attention over the decode
+mirror, post_attention's arithmetic), and the step's new K/V written for every layer at once.
+
+Between two compiled calls the CPU runs Python and small torch ops, and right after a call has
+streamed megabytes of weights through the caches each of those costs several times its usual
+time (measured on a 2-vCPU AVX2 EPYC: the paged-cache store of one token's K/V, a few views and two
+index_copy_, ~40 us a layer; the attention call with its two mirror copies ~100 us). Here a layer
+is one call: the layer's new k and v are graph outputs, its attention reads them where the mirror
+does not hold them yet (cpu_compiled._attend's `new`), and after the last layer one copy per
+buffer writes all layers' K/V into the decode mirror's row and the paged cache.
+
+The paged cache stays the source of truth: it holds the step's tokens when the step ends, as on
+every other path. Applies when the step's attention plan (cpu_attention._plan) has a one-row
+kernel (one sequence, context within cpu_compiled.ATTENTION_BUCKETS, no sliding window), the cache
+keeps the model's dtype (an 8-bit cache rounds K/V first: the layer-by-layer path) and each layer
+has its products' tiled weights; otherwise, or if a layer's compile fails, the layers run through
+blocks.decoder_layer (the layers already run keep their K/V: they are written first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from arcserve.kernels import blocks, cpu_attention, cpu_compiled
+from arcserve.kernels.blocks import LayerDims
+
+
+def _layer(x: torch.Tensor, *t: torch.Tensor, first: bool, qkv_bias: bool, qk_norm: bool,
+           post_biases: tuple[bool, bool, bool], num_q: int, num_kv: int, head_dim: int, eps: float,
+           width: int, scale: float) -> tuple:  # fmt: skip
+    """One decoder layer for one token: t is cpu_compiled._pre's tensors, then the mirror's K, V,
+    the layer's index and the context length (cpu_compiled._attend's), then cpu_compiled._post's
+    weights. Returns the layer's output, the new residual, the token's k and v, and q."""
+    n_pre = (0 if first else 1) + 2 + qkv_bias + 2 * qk_norm + 4
+    q, k, v, residual = cpu_compiled._pre(x, *t[:n_pre], first=first, bias=qkv_bias, qk_norm=qk_norm,
+                                          num_q=num_q, num_kv=num_kv, head_dim=head_dim, eps=eps)  # fmt: skip
+    K, V, layer, length = t[n_pre : n_pre + 4]
+    attn = cpu_compiled._attend(q, K, V, layer, length, k, v, width=width, scale=scale)
+    out, residual = cpu_compiled._post(attn.view(1, -1), residual, *t[n_pre + 4 :], biases=post_biases, eps=eps)
+    # q is an output only so that inductor stores it once: otherwise its RoPE is recomputed at every
+    # position the attention reads (measured ~100 us a layer more than the three calls it replaces)
+    return out, residual, k, v, q
+
+
+class _Step:
+    """The step's one-row plan and the K/V of the layers run so far, to be written at its end."""
+
+    def __init__(self, plan: dict, mirror: cpu_attention.DecodeMirror, kv: torch.Tensor, slot: int) -> None:
+        self.plan, self.mirror, self.kv, self.slot = plan, mirror, kv, slot
+        self.attention = plan["one_row"][2]  # cpu_compiled.OneRowAttention
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.kernels: dict[bool, Callable] = {}  # first layer or not -> its compiled layer
+        self.active = True
+
+    def write(self) -> None:
+        """The K/V of the layers run so far into the mirror's row (the new position) and the paged
+        cache (the step's slot): one copy per buffer; then later layers run layer by layer."""
+        n = len(self.k)
+        if n:
+            k, v = torch.cat(self.k), torch.cat(self.v)  # [layers run, kv heads, head_dim]
+            k_last, v_last, _ = self.plan["one_row"]  # the mirror's new position in every layer
+            k_last[:n, 0].copy_(k)
+            v_last[:n, 0].copy_(v)
+            block, offset = divmod(self.slot, self.kv.shape[3])
+            self.kv[:n, 0, block, offset].copy_(k)
+            self.kv[:n, 1, block, offset].copy_(v)
+        self.k, self.v, self.active = [], [], False
+
+
+def _start(meta, x: torch.Tensor, k_cache: torch.Tensor, dims: LayerDims, one_row: Callable | None) -> _Step | None:
+    """At the step's first layer: a _Step where the whole-layer path applies (see the module), else None."""
+    kv = meta.host.get("kv_cache")
+    mirror = meta.host.get("decode_mirror")
+    if one_row is None or kv is None or mirror is None or k_cache.dtype != x.dtype or not cpu_compiled._one_token(x):
+        return None
+    plan = cpu_attention._plan(meta, k_cache.shape[1], mirror, dims.sliding_window, one_row, x.dtype, dims.scale)
+    if plan is None or plan["tok"] is not None or plan["one_row"] is None:
+        return None
+    return _Step(plan, mirror, kv, int(meta.host["slot_mapping"][0]))
+
+
+def decoder_layer(
+    ops, x: torch.Tensor, residual: torch.Tensor | None, lw, layer: int, dims: LayerDims, rope: tuple,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, meta, one_row: Callable | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """blocks.decoder_layer; one compiled call where the step decodes one sequence (see the module).
+    one_row: cpu_compiled.decode_attention (get_ops binds it), which plans the step's attention."""
+    step = _start(meta, x, k_cache, dims, one_row) if layer == 0 else meta.cache.get("cpu_layer")
+    if layer == 0:
+        meta.cache["cpu_layer"] = step
+    if step is None or not step.active:
+        return blocks.decoder_layer(ops, x, residual, lw, layer, dims, rope, k_cache, v_cache, meta)
+    got = _run(step, x, residual, lw, layer, dims, rope, k_cache, v_cache)
+    if got is None:  # this layer cannot: the layers run so far keep their K/V, the rest run layer by layer
+        step.write()
+        return blocks.decoder_layer(ops, x, residual, lw, layer, dims, rope, k_cache, v_cache, meta)
+    out, residual, k, v, _ = got
+    step.k.append(k)
+    step.v.append(v)
+    if layer == step.kv.shape[0] - 1:
+        step.write()
+    return out, residual
+
+
+def _run(step: _Step, x, residual, lw, layer: int, dims: LayerDims, rope: tuple, k_cache, v_cache) -> tuple | None:
+    """The layer's compiled call, or None if its weights lack the tiled copy or it fails to compile."""
+    if not cpu_compiled._rows16(lw.qkv, lw.o, lw.gate_up, lw.down):
+        return None
+    step.mirror.refill(layer, k_cache, v_cache, step.plan)  # a new decoder's context, at its first step
+    present = cpu_compiled._present
+    a, first = step.attention, residual is None
+    norms = () if lw.q_norm is None else (lw.q_norm, lw.k_norm)
+    args = (x, *present(residual), lw.input_norm, lw.qkv.rows16, *present(lw.qkv_bias), *norms, *rope,
+            a.K, a.V, step.mirror.layer_index[layer], a.length,
+            lw.o.rows16, *present(lw.o_bias), lw.post_norm, lw.gate_up.rows16, *present(lw.gate_up_bias),
+            lw.down.rows16, *present(lw.down_bias))  # fmt: skip
+    kernel = step.kernels.get(first)
+    if kernel is None:  # looked up once per step for the first layer and once for the others
+        kernel = cpu_compiled._kernel(
+            _layer, args, a.layout, first=first, qkv_bias=lw.qkv_bias is not None, qk_norm=bool(norms),
+            post_biases=tuple(b is not None for b in (lw.o_bias, lw.gate_up_bias, lw.down_bias)),
+            num_q=dims.num_q, num_kv=dims.num_kv, head_dim=dims.head_dim, eps=dims.eps, width=a.width, scale=a.scale,
+        )  # fmt: skip
+        if kernel is None:
+            return None
+        step.kernels[first] = kernel
+    return kernel(*args)
