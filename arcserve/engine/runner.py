@@ -247,7 +247,6 @@ class ModelRunner:
                 "query_start_loc": h["qsl"],
                 "seq_lens": h["seq_lens"],
                 "seq_ids": h["seq_ids"],
-                "slot_mapping": h["slots"],
                 "decode_mirror": self.decode_mirror,
                 "kv_cache": self.kv,  # every layer's K/V [layers, 2, blocks, block_size, kv heads, hd]
             },

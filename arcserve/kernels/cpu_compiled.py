@@ -215,13 +215,19 @@ def _pre(x, *t, first: bool, bias: bool, qk_norm: bool, num_q: int, num_kv: int,
     return q, k, qkv[:, num_q + num_kv :].contiguous(), residual
 
 
+def pre_args(x, residual, lw, rope) -> tuple[tuple, dict]:
+    """_pre's tensors for layer weights `lw` and its static values but the shapes and eps (also
+    cpu_layer's)."""
+    norms = () if lw.q_norm is None else (lw.q_norm, lw.k_norm)
+    args = (x, *_present(residual), lw.input_norm, lw.qkv.rows16, *_present(lw.qkv_bias), *norms, *rope)
+    return args, dict(first=residual is None, bias=lw.qkv_bias is not None, qk_norm=bool(norms))
+
+
 def pre_attention(ops, x, residual, lw, eps, rope, num_q, num_kv, head_dim, k_cache, v_cache, slots):
     """blocks.pre_attention; for one token, everything but the K/V store runs as one compiled call."""
     if _one_token(x) and _rows16(lw.qkv):
-        norms = () if lw.q_norm is None else (lw.q_norm, lw.k_norm)
-        args = (x, *_present(residual), lw.input_norm, lw.qkv.rows16, *_present(lw.qkv_bias), *norms, *rope)
-        got = _run(_pre, args, first=residual is None, bias=lw.qkv_bias is not None, qk_norm=bool(norms),
-                   num_q=num_q, num_kv=num_kv, head_dim=head_dim, eps=eps)  # fmt: skip
+        args, static = pre_args(x, residual, lw, rope)
+        got = _run(_pre, args, num_q=num_q, num_kv=num_kv, head_dim=head_dim, eps=eps, **static)
         if got is not None:
             q, k, v, residual = got
             reference.store_kv(k, v, k_cache, v_cache, slots)
@@ -240,13 +246,18 @@ def _post(attn, residual, o, *t, biases: tuple[bool, bool, bool], eps: float) ->
     return _gemv(reference.silu_and_mul(gate_up), t.pop(0), *take(biases[2])), residual
 
 
+def post_weights(lw) -> tuple[tuple, tuple[bool, bool, bool]]:
+    """_post's weight tensors for layer weights `lw` and its `biases` (also cpu_layer's)."""
+    weights = (lw.o.rows16, *_present(lw.o_bias), lw.post_norm, lw.gate_up.rows16, *_present(lw.gate_up_bias),
+               lw.down.rows16, *_present(lw.down_bias))  # fmt: skip
+    return weights, tuple(b is not None for b in (lw.o_bias, lw.gate_up_bias, lw.down_bias))
+
+
 def post_attention(ops, attn, residual, lw, eps):
     """blocks.post_attention; for one token, one compiled call."""
     if _one_token(attn) and _rows16(lw.o, lw.gate_up, lw.down):
-        args = (attn, residual, lw.o.rows16, *_present(lw.o_bias), lw.post_norm, lw.gate_up.rows16,
-                *_present(lw.gate_up_bias), lw.down.rows16, *_present(lw.down_bias))  # fmt: skip
-        biases = tuple(b is not None for b in (lw.o_bias, lw.gate_up_bias, lw.down_bias))
-        got = _run(_post, args, biases=biases, eps=eps)
+        weights, biases = post_weights(lw)
+        got = _run(_post, (attn, residual, *weights), biases=biases, eps=eps)
         if got is not None:
             return got[0], got[1]
     return blocks.post_attention(ops, attn, residual, lw, eps)

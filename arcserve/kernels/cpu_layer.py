@@ -80,7 +80,7 @@ def _start(meta, x: torch.Tensor, k_cache: torch.Tensor, dims: LayerDims, one_ro
     plan = cpu_attention._plan(meta, k_cache.shape[1], mirror, dims.sliding_window, one_row, x.dtype, dims.scale)
     if plan is None or plan["tok"] is not None or plan["one_row"] is None:
         return None
-    return _Step(plan, mirror, kv, int(meta.host["slot_mapping"][0]))
+    return _Step(plan, mirror, kv, int(meta.slot_mapping[0]))  # (a host tensor on the CPU)
 
 
 def decoder_layer(
@@ -111,21 +111,18 @@ def _run(step: _Step, x, residual, lw, layer: int, dims: LayerDims, rope: tuple,
     if not cpu_compiled._rows16(lw.qkv, lw.o, lw.gate_up, lw.down):
         return None
     step.mirror.refill(layer, k_cache, v_cache, step.plan)  # a new decoder's context, at its first step
-    present = cpu_compiled._present
-    a, first = step.attention, residual is None
-    norms = () if lw.q_norm is None else (lw.q_norm, lw.k_norm)
-    args = (x, *present(residual), lw.input_norm, lw.qkv.rows16, *present(lw.qkv_bias), *norms, *rope,
-            a.K, a.V, step.mirror.layer_index[layer], a.length,
-            lw.o.rows16, *present(lw.o_bias), lw.post_norm, lw.gate_up.rows16, *present(lw.gate_up_bias),
-            lw.down.rows16, *present(lw.down_bias))  # fmt: skip
-    kernel = step.kernels.get(first)
+    a = step.attention
+    pre, static = cpu_compiled.pre_args(x, residual, lw, rope)
+    post, biases = cpu_compiled.post_weights(lw)
+    args = (*pre, a.K, a.V, step.mirror.layer_index[layer], a.length, *post)
+    kernel = step.kernels.get(static["first"])
     if kernel is None:  # looked up once per step for the first layer and once for the others
         kernel = cpu_compiled._kernel(
-            _layer, args, a.layout, first=first, qkv_bias=lw.qkv_bias is not None, qk_norm=bool(norms),
-            post_biases=tuple(b is not None for b in (lw.o_bias, lw.gate_up_bias, lw.down_bias)),
-            num_q=dims.num_q, num_kv=dims.num_kv, head_dim=dims.head_dim, eps=dims.eps, width=a.width, scale=a.scale,
+            _layer, args, a.layout, qkv_bias=static["bias"], qk_norm=static["qk_norm"], first=static["first"],
+            post_biases=biases, num_q=dims.num_q, num_kv=dims.num_kv, head_dim=dims.head_dim, eps=dims.eps,
+            width=a.width, scale=a.scale,
         )  # fmt: skip
         if kernel is None:
             return None
-        step.kernels[first] = kernel
+        step.kernels[static["first"]] = kernel
     return kernel(*args)
