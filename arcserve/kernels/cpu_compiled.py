@@ -77,6 +77,7 @@ def _kernel(fn: Callable, args: tuple, layout: tuple = (), **static) -> Callable
         if _failed:
             return None
         try:
+            import torch._inductor.inductor_prims  # noqa: F401 (registers prims.inductor_force_stride_order)
             from torch._inductor import config as inductor_config
             from torch._inductor.compile_fx import compile_fx
             from torch.fx.experimental.proxy_tensor import make_fx
@@ -116,7 +117,9 @@ def _direct(wrapped: Callable, args: tuple) -> Callable:
 def _gemv(x: torch.Tensor, rows16: torch.Tensor, *bias: torch.Tensor) -> torch.Tensor:
     """x [1, K] @ W.T with W as rows16 [N/T, K, T]: float32 sums, one rounding. Each 16 columns of a
     tile is its own sum (one loop over K keeps T/16 pairs of vector sums going)."""
-    xf = x.float().view(1, -1, 1)
+    # stored before the loop: inductor otherwise recomputes x's producer (an RMSNorm's scaling, its
+    # square root included) at every step of every tile's K loop
+    xf = torch.ops.prims.inductor_force_stride_order(x.float(), (x.shape[1], 1)).view(1, -1, 1)
     parts = [(rows16[:, :, j : j + 16].float() * xf).sum(1) for j in range(0, rows16.shape[2], 16)]
     y = (parts[0] if len(parts) == 1 else torch.stack(parts, 1)).reshape(1, -1)
     if bias:
