@@ -7,7 +7,10 @@ runs both through generic paths (measured on a 2-vCPU AVX2 AMD EPYC, docs/BENCHM
   weights in a [N/T, K, T] layout (`rows16`: T = 32 outputs side by side per input feature, or 16
   where 32 does not divide N, summed down the K axis in float32 vectors, no horizontal sums)
   takes ~10-15% less. The sums are latency-bound (each vector sum waits on its last add), so a
-  32-wide tile keeps four going where 16 kept two: one-token decode ~8% faster than 16-wide;
+  32-wide tile keeps four going where 16 kept two: one-token decode ~8% faster than 16-wide. The
+  product's input is stored (float32) before the loop: left to inductor, the input's producer (the
+  RMSNorm before qkv and gate_up, square root and roundings included) was inlined into every
+  tile's K loop, ~10% of a one-token step;
 - the small ops between products (residual add + RMSNorm, SiLU-mul, q/k norm + RoPE) cost 3-5x
   their arithmetic each (after a product has streamed megabytes through the caches); compiled
   kernels replace them, and each half of a decoder layer around attention (kernels/blocks.py:
