@@ -20,8 +20,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from offline_throughput import workload, workload_args  # noqa: E402
 
-OPS = ("decoder_layer", "pre_attention", "post_attention", "add_rms_norm_linear", "qkv_prepare", "paged_attention", "linear",
-       "silu_mul_linear", "fused_add_rms_norm")
+OPS = ("decoder_layer", "pre_attention", "post_attention", "add_rms_norm_linear", "qkv_prepare", "paged_attention",
+       "linear", "silu_mul_linear", "fused_add_rms_norm")
 
 
 def main() -> None:

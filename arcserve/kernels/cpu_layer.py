@@ -35,7 +35,7 @@ def _layer(x: torch.Tensor, *t: torch.Tensor, first: bool, qkv_bias: bool, qk_no
     the layer's index and the context length (cpu_compiled._attend's), then cpu_compiled._post's
     weights. Returns the layer's output, the new residual, the token's k and v, and q."""
     n_pre = (0 if first else 1) + 2 + qkv_bias + 2 * qk_norm + 4
-    q, k, v, residual = cpu_compiled._pre(x, *t[:n_pre], first=first, bias=qkv_bias, qk_norm=qk_norm,
+    q, k, v, residual = cpu_compiled._pre(x, *t[:n_pre], first=first, qkv_bias=qkv_bias, qk_norm=qk_norm,
                                           num_q=num_q, num_kv=num_kv, head_dim=head_dim, eps=eps)  # fmt: skip
     K, V, layer, length = t[n_pre : n_pre + 4]
     attn = cpu_compiled._attend(q, K, V, layer, length, k, v, width=width, scale=scale)
@@ -118,9 +118,8 @@ def _run(step: _Step, x, residual, lw, layer: int, dims: LayerDims, rope: tuple,
     kernel = step.kernels.get(static["first"])
     if kernel is None:  # looked up once per step for the first layer and once for the others
         kernel = cpu_compiled._kernel(
-            _layer, args, a.layout, qkv_bias=static["bias"], qk_norm=static["qk_norm"], first=static["first"],
-            post_biases=biases, num_q=dims.num_q, num_kv=dims.num_kv, head_dim=dims.head_dim, eps=dims.eps,
-            width=a.width, scale=a.scale,
+            _layer, args, a.layout, **static, post_biases=biases, num_q=dims.num_q, num_kv=dims.num_kv,
+            head_dim=dims.head_dim, eps=dims.eps, width=a.width, scale=a.scale,
         )  # fmt: skip
         if kernel is None:
             return None
