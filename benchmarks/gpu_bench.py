@@ -44,6 +44,8 @@ def engine(a, model: Path, **kw):
         kw["async_scheduling"] = a.async_scheduling == "on"
     if a.kv_cache_dtype != "auto":
         kw["kv_cache_dtype"] = a.kv_cache_dtype
+    if a.block_size:
+        kw["block_size"] = a.block_size
     llm = LLM(model=str(model), load_format="dummy", dtype="bfloat16", seed=0, **kw)
     return llm, SamplingParams
 
@@ -281,6 +283,7 @@ def main() -> None:
                    help="overlapped steps (default: the engine's own default, on for GPUs)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="the KV cache's element type (both engines take vLLM's names)")
+    p.add_argument("--block-size", type=int, default=None, help="KV-cache block size (default: the engine's)")
     p.add_argument("--models", default="/tmp/arcserve-shapes")
     p.add_argument("--out", default=None, help="append the JSON result lines to this file")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="throughput: the per-step token budget")
@@ -296,6 +299,7 @@ def main() -> None:
         flags = ["--engine", a.engine, "--models", a.models] + ["--enforce-eager"] * a.enforce_eager
         flags += ["--async-scheduling", a.async_scheduling] if a.async_scheduling else []
         flags += ["--kv-cache-dtype", a.kv_cache_dtype]
+        flags += ["--block-size", str(a.block_size)] if a.block_size else []
         flags += ["--out", a.out] if a.out else []
         failed = [part for part in parts if subprocess.run([sys.executable, __file__, part, *flags]).returncode]
         if failed:  # the other parts still ran; their results stand
@@ -306,7 +310,7 @@ def main() -> None:
     else:
         r = {"prefix": bench_prefix, "throughput": bench_throughput}[a.which](a, dirs)
     r.update(engine=a.engine, enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling or "default",
-             kv_cache_dtype=a.kv_cache_dtype)
+             kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size or "default")
     print("RESULT " + json.dumps(r), flush=True)
     if a.out:
         with open(a.out, "a") as f:

@@ -11,6 +11,8 @@ gaps do not count), over enough copies of its inputs to miss the L2 cache.
     python benchmarks/gpu_kernels.py gemv-candidates   # a few shapes on every one-row matrix
     python benchmarks/gpu_kernels.py attention-varied  # decode attention over mixed context lengths, by split
     python benchmarks/gpu_kernels.py attention-varied fp8  # the same over an 8-bit cache (attention-sweep too)
+    python benchmarks/gpu_kernels.py attention-layout  # decode attention by cache layout and block size,
+                                                       # beside a plain read kernel's bandwidth
     python benchmarks/gpu_kernels.py prefill-sweep     # mixed steps' prompt-chunk attention tiles
     python benchmarks/gpu_kernels.py batch-gemm        # decode-batch products (8-256 rows): cuBLAS against
                                                        # a plain Triton GEMM (an experiment, not in arcserve)
@@ -83,11 +85,12 @@ def measure_ceilings() -> tuple[float, float]:
     return bw, flops
 
 
-def paged_meta(new: np.ndarray, ctx: np.ndarray, bs: int = 16):
+def paged_meta(new: np.ndarray, ctx: np.ndarray, bs: int = 16, shuffled: bool = True):
     """(metadata, blocks used) of a step whose sequences bring new[i] tokens with context ctx[i]
-    (cached + new), each over distinct random blocks of bs tokens."""
+    (cached + new), each over distinct random blocks of bs tokens (in order if not shuffled)."""
     nb = -(-ctx // bs)
-    perm, bt = torch.randperm(int(nb.sum())).int(), torch.zeros(len(ctx), int(nb.max()), dtype=torch.int32)
+    perm = torch.randperm(int(nb.sum())).int() if shuffled else torch.arange(int(nb.sum()), dtype=torch.int32)
+    bt = torch.zeros(len(ctx), int(nb.max()), dtype=torch.int32)
     for i, off in enumerate(np.cumsum(nb) - nb):
         bt[i, : nb[i]] = perm[off : off + nb[i]]
     qsl = np.concatenate([[0], np.cumsum(new)]).astype(np.int64)
@@ -176,6 +179,94 @@ def attention_varied(cache_dtype=BF16) -> None:
             us = graph_time([lambda: triton_attention.paged_attention(q, None, None, kc, vc, meta, d**-0.5, None, 0)])
             mark = "*" if splits == chosen else " "
             print(f"batch {batch:4d} ctx {lo}-{hi} splits {splits}{mark} {us:8.1f} us  floor {floor:7.1f}  {100 * floor / us:5.1f}%")
+
+
+@triton.jit
+def _read_sum(x_ptr, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in range(ITERS):
+        acc += tl.load(x_ptr + base + i * BLOCK + tl.arange(0, BLOCK)).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc))
+
+
+def read_ceiling() -> float:
+    """Bytes read per second by the best of a few plain read-and-sum kernels over 2 GiB of bf16."""
+    x = torch.randn(1 << 30, device=DEV, dtype=BF16)
+    best = 0.0
+    for block, iters, warps in itertools.product((1024, 4096), (4, 16), (4, 8)):
+        out = torch.empty(x.numel() // (block * iters), device=DEV, dtype=torch.float32)
+        us = graph_time([lambda: _read_sum[(out.numel(),)](x, out, BLOCK=block, ITERS=iters, num_warps=warps)], 3)
+        ok = torch.allclose(out.sum(), x.float().sum(), rtol=1e-3, atol=1.0)
+        tbs = 2 * x.numel() / us / 1e6
+        print(f"read-sum block {block:5d} iters {iters:3d} warps {warps}: {tbs:.3f} TB/s{'' if ok else '  WRONG SUM'}")
+        best = max(best, tbs)
+    del x
+    return best * 1e12
+
+
+@torch.inference_mode()
+def attention_layout() -> None:
+    """Decode attention (Qwen3-0.6B heads) over mixed context lengths as in a throughput run, by
+    cache layout: positions-major blocks ([blocks, block_size, kv_heads, d], as the engine stores
+    them) against heads-major blocks ([blocks, kv_heads, block_size, d], passed to the kernel as a
+    permuted view), block sizes 16-64, blocks shuffled or in order; launch settings swept; TB/s of
+    K and V read, beside a plain read kernel's TB/s and the copy bandwidth."""
+    from gpu_bench import copy_bandwidth
+
+    bw = copy_bandwidth()
+    rd = read_ceiling()
+    print(f"copy {bw / 1e12:.3f} TB/s (read + write), plain read {rd / 1e12:.3f} TB/s")
+    h, kvh, d = 16, 8, 128
+    rng = np.random.default_rng(0)
+    combos = list(itertools.product((4, 8), (2, 3, 4), (64, 128)))
+    summary = []
+    for batch, lo, hi in ((32, 200, 2048), (64, 200, 2048), (96, 200, 2048), (128, 200, 2048), (192, 200, 1800),
+                          (256, 200, 1600)):  # fmt: skip
+        lens = rng.integers(lo, hi + 1, batch)
+        q = torch.randn(batch, h, d, device=DEV, dtype=BF16)
+        nbytes = 2 * 2 * int(lens.sum()) * kvh * d
+        ref = None
+        for bs, heads_major, shuffled, longest_first in (
+                (16, False, True, True), (16, False, True, False), (16, True, True, True), (32, False, True, True),
+                (32, True, True, True), (64, False, True, True), (64, True, True, True), (16, False, False, True)):  # fmt: skip
+            torch.manual_seed(1)
+            meta, blocks = paged_meta(np.ones(batch, dtype=np.int64), lens, bs, shuffled)
+            kt = torch.randn(blocks, bs, kvh, d, device=DEV, dtype=BF16)
+            vt = torch.randn(blocks, bs, kvh, d, device=DEV, dtype=BF16)
+            if heads_major:
+                kc = kt.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+                vc = vt.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+                del kt, vt
+            else:
+                kc, vc = kt, vt
+            plan = triton_attention.prepare(meta, h, kvh, DEV, 2)
+            if not longest_first:  # tiles in sequence order, as before plan_tiles took seq_lens
+                seq, q0 = triton_attention.plan_tiles(meta.host["query_start_loc"], plan["block_q"])
+                plan.update(tile_seq=torch.from_numpy(seq).to(DEV), tile_q=torch.from_numpy(q0).to(DEV))
+            fn = lambda: triton_attention.paged_attention(q, None, None, kc, vc, meta, d**-0.5, None, 0)  # noqa: E731
+            label = f"bs {bs:2d} {'heads' if heads_major else 'positions'}-major{'' if shuffled else ' in order'}"
+            label += "" if longest_first else " seq order"
+            block_n0, launch0 = plan["block_n"], plan["launch"]
+            default = graph_time([fn])
+            if bs == 16 and not heads_major and shuffled and longest_first:  # same random K/V for each layout (seeded)
+                ref = fn().float()
+            out = fn().float()
+            err = float((out - ref).norm() / ref.norm()) if bs == 16 and shuffled else float("nan")
+            best = (default, "default")
+            for warps, stages, block_n in combos:
+                plan.update(block_n=block_n, launch={"num_warps": warps, "num_stages": stages})
+                with contextlib.suppress(Exception):
+                    us = graph_time([fn])
+                    best = min(best, (us, f"{warps}w {stages}s n{block_n}"))
+            plan.update(block_n=block_n0, launch=launch0)
+            line = (f"batch {batch:3d} {label:30s} splits {plan['splits']}: default {default:7.1f} us "
+                    f"{nbytes / default / 1e6:.3f} TB/s; best {best[0]:7.1f} us {nbytes / best[0] / 1e6:.3f} TB/s "
+                    f"({best[1]}; {100 * nbytes / best[0] * 1e6 / rd:.1f}% of read)  err vs bs16 {err:.1e}")  # fmt: skip
+            print(line, flush=True)
+            summary.append(line)
+            del kc, vc
+    print("\n".join(summary))
 
 
 @torch.inference_mode()
@@ -392,6 +483,8 @@ def main() -> None:
         return attention_sweep(cache)
     if sys.argv[1:2] == ["attention-varied"]:
         return attention_varied(cache)
+    if sys.argv[1:] == ["attention-layout"]:
+        return attention_layout()
     if sys.argv[1:] == ["batch-gemm"]:
         return batch_gemm()
     if sys.argv[1:] == ["prefill-sweep"]:

@@ -196,7 +196,7 @@ class StepGraphs:
         Tg, _, tiles = self._shape(kind, size)
         qsl, n = h["qsl"], len(h["seq_lens"])
         T = int(qsl[-1])
-        seq, q0 = self.plan_tiles(qsl, self.block_q[kind])
+        seq, q0 = self.plan_tiles(qsl, self.block_q[kind], h["seq_lens"])
         hs["ids"][:T] = h["ids"]
         hs["positions"][:T] = h["positions"]
         hs["slots"][:T] = h["slots"]

@@ -411,6 +411,35 @@ def test_decode_tiles_over_an_8bit_cache_read_as_many_bytes_per_trip(monkeypatch
     assert plan(16, 8, False, 64, 2048, dev, kv_itemsize=1)["block_n"] == 64
 
 
+def test_large_decode_batches_over_a_16bit_cache_take_wide_two_stage_tiles(monkeypatch):
+    """Decode steps with at least 4 programs per compute unit read 128 positions a trip in 2
+    stages over a 16-bit cache; smaller batches, mixed steps and 8-bit caches keep their settings."""
+    monkeypatch.setattr(triton_attention, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(triton_attention, "compute_units", lambda device: 132)
+    plan = triton_attention.tile_plan
+    dev = torch.device("cuda")
+    wide = plan(16, 8, True, 66, 2048, dev)  # 528 programs = 4 per unit
+    assert (wide["block_n"], wide["launch"]) == (128, {"num_stages": 2})
+    narrow = plan(16, 8, True, 65, 2048, dev)
+    assert (narrow["block_n"], narrow["launch"]) == (64, {})
+    assert (plan(16, 8, True, 256, 2048, dev, kv_itemsize=1)["launch"]) == {}
+    assert (plan(16, 8, False, 256, 2048, dev)["block_n"], plan(16, 8, False, 256, 2048, dev)["launch"]) == (64, {})
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
+def test_paged_attention_wide_decode_tiles_match_twin(dtype, monkeypatch):
+    """A decode batch that takes the wide tiles (a device of 2 compute units makes 6 sequences x 2
+    KV heads enough), contexts ending on, before and past 128-position trips."""
+    monkeypatch.setattr(triton_attention, "compute_units", lambda device: 2)
+    seqs = [(127, 1), (128, 1), (300, 1), (5, 1), (255, 1), (1000, 1)]
+    q, k, v, kc, vc, meta = make_step(random.Random(7), seqs, 6, 2, 128, 16, dtype)
+    plan = triton_attention.prepare(meta, 6, 2, q.device, kc.element_size())
+    assert plan["block_n"] == 128
+    want = reference.paged_attention(q.float(), k.float(), v.float(), kc.float(), vc.float(), fresh(meta), 128**-0.5)
+    got = triton_attention.paged_attention(q, k, v, kc, vc, meta, 128**-0.5)
+    assert got.dtype == dtype and rel_err(got, want) < TOL[dtype]
+
+
 @pytest.mark.parametrize("heads,kvh", [(16, 8), (32, 8), (8, 8), (12, 4)])
 def test_tile_shape_pads_decode_tiles_only_where_the_backend_needs_it(heads, kvh):
     """Decode tiles hold one token's heads; on Intel XPU they are padded to tl.dot's 16 rows; mixed
@@ -430,6 +459,17 @@ def test_plan_tiles_cover_every_token_once():
     assert covered == [(s, t) for s in range(4) for t in range(int(qsl[s + 1] - qsl[s]))]
     # prompt chunks' tiles first (a mixed graph splits those), then the single-token sequences'
     assert seq.tolist() == [1, 1, 1, 3, 3, 3, 3, 3, 0, 2]
+
+
+def test_plan_tiles_start_the_longest_contexts_first_within_each_kind():
+    qsl = np.array([0, 1, 18, 19, 52, 53, 54])
+    seq_lens = np.array([5, 40, 900, 60, 7, 300, 0])  # one entry past the batch (a padded array)
+    seq, q0 = triton_attention.plan_tiles(qsl, 8, seq_lens)
+    covered = sorted((int(s), int(t)) for s, a in zip(seq, q0) for t in range(a, min(a + 8, qsl[s + 1] - qsl[s])))
+    assert covered == [(s, t) for s in range(6) for t in range(int(qsl[s + 1] - qsl[s]))]
+    # chunks first, longer context first (3: 60 before 1: 40), then decodes by context: 2, 5, 4, 0
+    assert seq.tolist() == [3, 3, 3, 3, 3, 1, 1, 1, 2, 5, 4, 0]
+    assert q0.tolist() == [0, 8, 16, 24, 32, 0, 8, 16, 0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
