@@ -46,6 +46,8 @@ def engine(a, model: Path, **kw):
         kw["kv_cache_dtype"] = a.kv_cache_dtype
     if a.block_size:
         kw["block_size"] = a.block_size
+    if a.gpu_memory_utilization:
+        kw["gpu_memory_utilization"] = a.gpu_memory_utilization
     llm = LLM(model=str(model), load_format="dummy", dtype="bfloat16", seed=0, **kw)
     return llm, SamplingParams
 
@@ -284,6 +286,7 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="the KV cache's element type (both engines take vLLM's names)")
     p.add_argument("--block-size", type=int, default=None, help="KV-cache block size (default: the engine's)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, help="(default: the engine's)")
     p.add_argument("--models", default="/tmp/arcserve-shapes")
     p.add_argument("--out", default=None, help="append the JSON result lines to this file")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="throughput: the per-step token budget")
@@ -300,6 +303,7 @@ def main() -> None:
         flags += ["--async-scheduling", a.async_scheduling] if a.async_scheduling else []
         flags += ["--kv-cache-dtype", a.kv_cache_dtype]
         flags += ["--block-size", str(a.block_size)] if a.block_size else []
+        flags += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)] if a.gpu_memory_utilization else []
         flags += ["--out", a.out] if a.out else []
         failed = [part for part in parts if subprocess.run([sys.executable, __file__, part, *flags]).returncode]
         if failed:  # the other parts still ran; their results stand

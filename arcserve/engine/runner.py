@@ -21,7 +21,7 @@ import torch
 from arcserve.config import KV_CACHE_DTYPES
 from arcserve.engine.sampler import Sampler
 from arcserve.engine.scheduler import SchedulerOutput
-from arcserve.engine.step_graphs import StepGraphs, feed_tokens
+from arcserve.engine.step_graphs import StepGraphs, decode_sizes, feed_tokens
 from arcserve.kernels.reference import AttentionMetadata
 from arcserve.models.decoder import DecoderModel
 from arcserve.outputs import Logprob
@@ -289,7 +289,7 @@ class ModelRunner:
         reqs = [out.seqs[i].request for i in sampling]
         offsets = None
         if len(sampling) == hidden.shape[0]:  # one sampled token per row (decode): no gather
-            logits = self.model.logits(hidden)
+            logits = self._logits(hidden, None)
         else:
             last = h["qsl"][1:][sampling] - 1
             if out.num_spec_tokens:  # a speculating request samples at its last token and every draft
@@ -299,7 +299,7 @@ class ModelRunner:
                 last = np.repeat(last - nspec, counts) + offsets
                 reqs = [r for r, c in zip(reqs, counts.tolist()) for _ in range(c)]
                 handle.row_counts = counts.tolist()
-            logits = self.model.logits(hidden[to_device(last, self.device)])
+            logits = self._logits(hidden, last)
         so = self.sampler(logits, reqs, offsets)
         self._last_tokens = so.tokens
         self._last_rows = {r.request_id: i for i, r in enumerate(reqs)}
@@ -314,6 +314,31 @@ class ModelRunner:
             )
         handle.event = new_event(self.device)
         return handle
+
+    def lm_head_rows(self, n: int) -> int:
+        """Rows the LM head runs over for n sampled rows: on accelerators the next decode-graph
+        batch size (beyond them, the next multiple of 64), whose products graph capture has run. The
+        library's first product at a new row count can wait for the device to drain (H100: F.linear
+        over a 151,936 x 1,024 LM head at 8 of 10 new row counts from 22 to 154 blocked the host
+        21-23 ms behind ~20 ms of queued work; 0.05-0.08 ms at counts that had run before), which
+        left the device idle in every mixed step of a throughput run and once per batch size its
+        decode steps passed through. The CPU computes exactly n."""
+        if self.device.type == "cpu" or n <= 1:  # (one row takes the matrix-vector kernel)
+            return n
+        return next((b for b in decode_sizes(self.max_num_seqs) if b >= n), -(-n // 64) * 64)
+
+    def _logits(self, hidden: torch.Tensor, rows: np.ndarray | None) -> torch.Tensor:
+        """Logits of hidden's rows (all of them, or `rows`), over lm_head_rows of them (padded with
+        copies of the last row), the first n returned."""
+        n = hidden.shape[0] if rows is None else len(rows)
+        m = self.lm_head_rows(n)
+        if rows is not None:
+            if m > n:
+                rows = np.concatenate([rows, np.repeat(rows[-1:], m - n)])
+            hidden = hidden[to_device(rows, self.device)]
+        elif m > n:
+            hidden = torch.cat([hidden, hidden[-1:].expand(m - n, -1)])
+        return self.model.logits(hidden)[:n]
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, qsl: np.ndarray) -> dict:
         """For requests that asked for prompt logprobs: the logprob (and top-k) of every prompt token

@@ -158,10 +158,12 @@ class StepGraphs:
                 with capture(graph, self.device, pool):
                     hidden = self._forward(kind, size, meta)
                 self.graphs[(kind, size)] = (graph, hidden)
-            # Logits are computed outside the graphs, and one row takes the matrix-vector kernel:
-            # compile it now, not in a run's first batch-1 step (H100: 136 ms in a throughput run).
-            if self.decode:
-                self.model.logits(self.graphs[("decode", self.decode[0])][1][:1])
+            # Logits are computed outside the graphs, over the decode batch sizes (runner.lm_head_rows),
+            # and one row takes the matrix-vector kernel: run each now, not in the run (H100: the first
+            # one-row product compiled for 136 ms in a throughput run's first batch-1 step; the
+            # library's first product at a new row count waits for the device to drain).
+            for b in self.decode:
+                self.model.logits(self.graphs[("decode", b)][1][:b])
         finally:
             gc.enable()
         synchronize(self.device)

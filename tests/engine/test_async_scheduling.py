@@ -213,3 +213,31 @@ def test_reused_id_while_its_step_is_in_flight(llama_dir, new_plp):
         assert all(t in e for e, t in zip(got.prompt_logprobs[1:], new[1:]))  # the new prompt's tokens
         assert summary(got)[1] == summary(want)[1]
     assert engine.scheduler.kv.usage() == 0.0
+
+
+def test_lm_head_rows_pad_to_the_decode_graph_sizes_on_accelerators():
+    """Accelerators run the LM head over the next decode-graph batch size (whose library products
+    graph capture has run, see ModelRunner.lm_head_rows); the CPU over exactly the sampled rows."""
+    from arcserve.engine.runner import ModelRunner
+
+    runner = ModelRunner.__new__(ModelRunner)  # only the two fields lm_head_rows reads
+    runner.max_num_seqs = 256
+    runner.device = torch.device("cuda")
+    got = {n: runner.lm_head_rows(n) for n in (1, 2, 3, 5, 9, 16, 17, 100, 249, 256, 257, 300)}
+    assert got == {1: 1, 2: 2, 3: 4, 5: 8, 9: 16, 16: 16, 17: 24, 100: 104, 249: 256, 256: 256, 257: 320, 300: 320}
+    runner.device = torch.device("cpu")
+    assert [runner.lm_head_rows(n) for n in (1, 3, 100, 300)] == [1, 3, 100, 300]
+
+
+def test_padded_lm_head_rows_leave_every_output_unchanged(llama_dir, workload, monkeypatch):
+    """Logits over padded rows (copies of the last one), the first n kept: the same outputs for
+    every kind of request, in decode steps (no gather) and in mixed ones (gathered rows)."""
+    script, aborts, _ = workload
+    results = {}
+    for pad in (0, 3):
+        engine = make_engine(llama_dir, True)
+        padded = []
+        monkeypatch.setattr(engine.runner, "lm_head_rows", lambda n, pad=pad, asked=padded: asked.append(n) or n + pad)
+        results[pad] = {rid: summary(o) for rid, o in drive(engine, script, aborts).items()}
+        assert padded  # the runner asked for every step
+    assert results[3] == results[0]
