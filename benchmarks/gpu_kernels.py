@@ -16,6 +16,7 @@ gaps do not count), over enough copies of its inputs to miss the L2 cache.
     python benchmarks/gpu_kernels.py prefill-sweep     # mixed steps' prompt-chunk attention tiles
     python benchmarks/gpu_kernels.py batch-gemm        # decode-batch products (8-256 rows): cuBLAS against
                                                        # a plain Triton GEMM (an experiment, not in arcserve)
+    python benchmarks/gpu_kernels.py batch-gemm-wide   # the same at 64-256 rows with row tiles up to 256
 """
 
 from __future__ import annotations
@@ -346,13 +347,17 @@ def _batch_mm(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, BM:
 
 
 @torch.inference_mode()
-def batch_gemm() -> None:
+def batch_gemm(wide: bool = False) -> None:
     """Qwen3-0.6B's decoder matrices at decode batches of 8-256 rows: cuBLAS (what arcserve runs)
     against a plain Triton GEMM over a grid of tiles (best per matrix, and the best single setting
-    per batch size), to see whether the ~6-9 us each product takes at these sizes is the library's."""
+    per batch size), to see whether the ~6-9 us each product takes at these sizes is the library's.
+    wide (`batch-gemm-wide`): 64-256 rows only, row tiles of 64-256 and 4 or 8 warps (one row tile
+    reads each weight once), the first weight tile loaded before the wait."""
     shapes = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
-    grid = list(itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (0, 1), (3, 4)))
-    for m in (8, 32, 64, 128, 256):
+    grid = list(itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (0, 1), (3, 4), (4,)))
+    if wide:
+        grid = list(itertools.product((64, 128, 256), (32, 64, 128), (64, 128), (1,), (3, 4), (4, 8)))
+    for m in (64, 128, 256) if wide else (8, 32, 64, 128, 256):
         per_setting: dict = {}
         lib_total = 0.0
         for name, (n, k) in shapes.items():
@@ -362,15 +367,15 @@ def batch_gemm() -> None:
             lib_total += lib
             ref = torch.nn.functional.linear(x, ws[0]).float()
             best = (float("inf"), None)
-            for bm, bn, bk, pre, stages in grid:
+            for bm, bn, bk, pre, stages, warps in grid:
                 if bm > max(16, triton.next_power_of_2(m)):
                     continue
 
-                def run(w, bm=bm, bn=bn, bk=bk, pre=pre, stages=stages):
+                def run(w, bm=bm, bn=bn, bk=bk, pre=pre, stages=stages, warps=warps):
                     y = torch.empty(m, n, dtype=BF16, device=DEV)
                     _batch_mm[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
                         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), BM=bm, BN=bn, BK=bk,
-                        PREFETCH=pre, num_warps=4, num_stages=stages, **triton_launch_options(DEV))  # fmt: skip
+                        PREFETCH=pre, num_warps=warps, num_stages=stages, **triton_launch_options(DEV))  # fmt: skip
                     return y
 
                 try:
@@ -379,9 +384,10 @@ def batch_gemm() -> None:
                     continue
                 assert err < 1e-2, (name, m, bm, bn, bk, err)
                 us = graph_time([lambda w=w: run(w) for w in ws])
-                per_setting[(bm, bn, bk, pre, stages)] = per_setting.get((bm, bn, bk, pre, stages), 0.0) + us
-                best = min(best, (us, (bm, bn, bk, pre, stages)))
-            print(f"rows {m:3d} {name:8s} cuBLAS {lib:6.2f} us   Triton best {best[0]:6.2f} us (BM, BN, BK, prefetch, stages = {best[1]})")
+                key = (bm, bn, bk, pre, stages, warps)
+                per_setting[key] = per_setting.get(key, 0.0) + us
+                best = min(best, (us, key))
+            print(f"rows {m:3d} {name:8s} cuBLAS {lib:6.2f} us   Triton best {best[0]:6.2f} us (BM, BN, BK, prefetch, stages, warps = {best[1]})")
         setting, total = min(per_setting.items(), key=lambda kv: kv[1])
         print(f"rows {m:3d} one layer's four products: cuBLAS {lib_total:.2f} us, Triton's best single setting {setting} {total:.2f} us")
 
@@ -485,8 +491,8 @@ def main() -> None:
         return attention_varied(cache)
     if sys.argv[1:] == ["attention-layout"]:
         return attention_layout()
-    if sys.argv[1:] == ["batch-gemm"]:
-        return batch_gemm()
+    if sys.argv[1:] in (["batch-gemm"], ["batch-gemm-wide"]):
+        return batch_gemm(wide=sys.argv[1] == "batch-gemm-wide")
     if sys.argv[1:] == ["prefill-sweep"]:
         return prefill_sweep()
     if sys.argv[1:] == ["linear-sweep"]:
