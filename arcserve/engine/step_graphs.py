@@ -130,7 +130,7 @@ class StepGraphs:
         # the chunk's tiles (first, plan_tiles) take the split, not the padding of the tile bound
         cfg, decode = self.model.cfg, kind == "decode"
         plan = self.tile_plan(cfg.num_heads, cfg.num_kv_heads, decode, tiles if decode else -(-size // self.block_q["mixed"]),
-                              self.max_model_len, self.device, self.model.kv_cache_dtype.itemsize)  # fmt: skip
+                              self.max_model_len, self.device, self.model.kv_cache_dtype.itemsize, cfg.head_dim)  # fmt: skip
         plan.update(tile_seq=st["tile_seq"][:tiles], tile_q=st["tile_q"][:tiles], num_tiles=tiles)
         meta.cache["triton"] = plan
         return meta

@@ -215,7 +215,7 @@ def num_splits_for(num_tiles: int, num_kv_heads: int, max_ctx: int, units: int, 
 
 
 def tile_plan(num_heads: int, num_kv_heads: int, decode_only: bool, split_tiles: int, max_ctx: int,
-              device: torch.device, kv_itemsize: int = 2) -> dict:  # fmt: skip
+              device: torch.device, kv_itemsize: int = 2, head_dim: int = 128) -> dict:  # fmt: skip
     """A step's launch settings (the tile arrays aside), for eager steps and captured graphs alike:
     split_tiles = the tiles that decide the split and take it, the first ones (a decode graph's:
     its bound; a mixed graph's: its prompt-chunk tiles, see paged_attention). kv_itemsize: bytes
@@ -225,8 +225,10 @@ def tile_plan(num_heads: int, num_kv_heads: int, decode_only: bool, split_tiles:
     block_q, g_pad = tile_shape(num_heads, num_kv_heads, decode_only, device)
     # Large decode batches over a 16-bit cache read faster with 128 positions a trip and 2 stages
     # (H100, `gpu_kernels.py attention-layout`, 128 / 192 / 256 sequences of 200-2,048 tokens:
-    # 240.1 -> 230.7, 295.7 -> 286.8, 342.6 -> 335.3 us; at 64, 512 programs, no gain).
-    wide = decode_only and split_tiles * num_kv_heads >= 4 * compute_units(device)
+    # 240.1 -> 230.7, 295.7 -> 286.8, 342.6 -> 335.3 us; at 64, 512 programs, no gain). Heads up
+    # to 128 wide: the two stages of K and V tiles then take 128 KB of shared memory.
+    wide = (decode_only and kv_itemsize == 2 and head_dim <= 128
+            and split_tiles * num_kv_heads >= 4 * compute_units(device))  # fmt: skip
     block_n = 128 if triton_interpreting() or (decode_only and (kv_itemsize == 1 or wide)) else 64
     return {
         "block_q": block_q,
@@ -234,7 +236,7 @@ def tile_plan(num_heads: int, num_kv_heads: int, decode_only: bool, split_tiles:
         "block_n": block_n,  # (the interpreter: fewer loop trips where each op is costly)
         "splits": num_splits_for(split_tiles, num_kv_heads, max_ctx, compute_units(device), decode_only),
         "split_tiles": split_tiles,
-        "launch": {"num_stages": 2} if wide and kv_itemsize == 2 and not triton_interpreting() else {},
+        "launch": {"num_stages": 2} if wide and not triton_interpreting() else {},
     }
 
 
@@ -244,7 +246,8 @@ def paged_attention(
 ) -> torch.Tensor:  # fmt: skip
     """Same contract as reference.paged_attention (the cache already holds this step's K/V).
     meta.cache["triton"] holds the step's tiles (set once per step by `prepare`)."""
-    plan = meta.cache.get("triton") or prepare(meta, q.shape[1], k_cache.shape[2], q.device, k_cache.element_size())
+    plan = meta.cache.get("triton") or prepare(meta, q.shape[1], k_cache.shape[2], q.device, k_cache.element_size(),
+                                               q.shape[2])  # fmt: skip
     T, H, D = q.shape
     kvh = k_cache.shape[2]
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
@@ -282,13 +285,13 @@ def paged_attention(
 
 
 def prepare(meta: AttentionMetadata, num_heads: int, num_kv_heads: int, device: torch.device,
-            kv_itemsize: int = 2) -> dict:  # fmt: skip
+            kv_itemsize: int = 2, head_dim: int = 128) -> dict:  # fmt: skip
     """Tiles for a step from the host copy of query_start_loc; cached in meta for every layer."""
     qsl, seq_lens = meta.host["query_start_loc"], meta.host["seq_lens"]
     decode_only = bool(((qsl[1:] - qsl[:-1]) <= 1).all())
     seq, q0 = plan_tiles(qsl, tile_shape(num_heads, num_kv_heads, decode_only, device)[0], seq_lens)
     max_ctx = int(seq_lens.max()) if len(seq_lens) else 0
-    plan = tile_plan(num_heads, num_kv_heads, decode_only, len(seq), max_ctx, device, kv_itemsize)
+    plan = tile_plan(num_heads, num_kv_heads, decode_only, len(seq), max_ctx, device, kv_itemsize, head_dim)
     tiles = to_device(np.stack([seq, q0]), device)  # one asynchronous copy
     plan.update(tile_seq=tiles[0], tile_q=tiles[1], num_tiles=len(seq))
     meta.cache["triton"] = plan

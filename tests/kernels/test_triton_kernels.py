@@ -413,7 +413,8 @@ def test_decode_tiles_over_an_8bit_cache_read_as_many_bytes_per_trip(monkeypatch
 
 def test_large_decode_batches_over_a_16bit_cache_take_wide_two_stage_tiles(monkeypatch):
     """Decode steps with at least 4 programs per compute unit read 128 positions a trip in 2
-    stages over a 16-bit cache; smaller batches, mixed steps and 8-bit caches keep their settings."""
+    stages over a 16-bit cache with heads up to 128 wide; smaller batches, mixed steps and other
+    caches keep their settings."""
     monkeypatch.setattr(triton_attention, "triton_interpreting", lambda: False)
     monkeypatch.setattr(triton_attention, "compute_units", lambda device: 132)
     plan = triton_attention.tile_plan
@@ -424,6 +425,9 @@ def test_large_decode_batches_over_a_16bit_cache_take_wide_two_stage_tiles(monke
     assert (narrow["block_n"], narrow["launch"]) == (64, {})
     assert (plan(16, 8, True, 256, 2048, dev, kv_itemsize=1)["launch"]) == {}
     assert (plan(16, 8, False, 256, 2048, dev)["block_n"], plan(16, 8, False, 256, 2048, dev)["launch"]) == (64, {})
+    # float32 caches and heads over 128 keep 64 positions (two wide stages would overflow shared memory)
+    for kw in ({"kv_itemsize": 4}, {"head_dim": 256}):
+        assert (plan(16, 8, True, 256, 2048, dev, **kw)["block_n"], plan(16, 8, True, 256, 2048, dev, **kw)["launch"]) == (64, {})
 
 
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
@@ -433,7 +437,7 @@ def test_paged_attention_wide_decode_tiles_match_twin(dtype, monkeypatch):
     monkeypatch.setattr(triton_attention, "compute_units", lambda device: 2)
     seqs = [(127, 1), (128, 1), (300, 1), (5, 1), (255, 1), (1000, 1)]
     q, k, v, kc, vc, meta = make_step(random.Random(7), seqs, 6, 2, 128, 16, dtype)
-    plan = triton_attention.prepare(meta, 6, 2, q.device, kc.element_size())
+    plan = triton_attention.prepare(meta, 6, 2, q.device, kc.element_size(), 128)
     assert plan["block_n"] == 128
     want = reference.paged_attention(q.float(), k.float(), v.float(), kc.float(), vc.float(), fresh(meta), 128**-0.5)
     got = triton_attention.paged_attention(q, k, v, kc, vc, meta, 128**-0.5)
