@@ -299,12 +299,7 @@ def main() -> None:
     parts = {"all": ["decode-qwen3-0.6b", "decode-llama-3.1-8b", "prefix", "throughput"],
              "decode": ["decode-qwen3-0.6b", "decode-llama-3.1-8b"]}.get(a.which)  # fmt: skip
     if parts:  # one process each, so no engine's memory stays behind for the next
-        flags = ["--engine", a.engine, "--models", a.models] + ["--enforce-eager"] * a.enforce_eager
-        flags += ["--async-scheduling", a.async_scheduling] if a.async_scheduling else []
-        flags += ["--kv-cache-dtype", a.kv_cache_dtype]
-        flags += ["--block-size", str(a.block_size)] if a.block_size else []
-        flags += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)] if a.gpu_memory_utilization else []
-        flags += ["--out", a.out] if a.out else []
+        flags = [x for x in sys.argv[1:] if x != a.which]  # every option as given, to each part
         failed = [part for part in parts if subprocess.run([sys.executable, __file__, part, *flags]).returncode]
         if failed:  # the other parts still ran; their results stand
             sys.exit(f"failed: {', '.join(failed)}")

@@ -242,8 +242,8 @@ def attention_layout() -> None:
             else:
                 kc, vc = kt, vt
             plan = triton_attention.prepare(meta, h, kvh, DEV, 2)
-            if not longest_first:  # tiles in sequence order, as before plan_tiles took seq_lens
-                seq, q0 = triton_attention.plan_tiles(meta.host["query_start_loc"], plan["block_q"])
+            if not longest_first:  # tiles in sequence order (equal lengths), as before plan_tiles took seq_lens
+                seq, q0 = triton_attention.plan_tiles(meta.host["query_start_loc"], plan["block_q"], np.zeros(batch))
                 plan.update(tile_seq=torch.from_numpy(seq).to(DEV), tile_q=torch.from_numpy(q0).to(DEV))
             fn = lambda: triton_attention.paged_attention(q, None, None, kc, vc, meta, d**-0.5, None, 0)  # noqa: E731
             label = f"bs {bs:2d} {'heads' if heads_major else 'positions'}-major{'' if shuffled else ' in order'}"
@@ -304,7 +304,7 @@ def prefill_sweep() -> None:
         results = []
         for rows, block_n, warps, stages in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3)):
             block_q = rows // plan["g_pad"]
-            seq, q0 = triton_attention.plan_tiles(qsl, block_q)
+            seq, q0 = triton_attention.plan_tiles(qsl, block_q, ctx)
             tiles = torch.from_numpy(np.stack([seq, q0])).to(DEV)
             plan.update(block_q=block_q, block_n=block_n, tile_seq=tiles[0], tile_q=tiles[1], num_tiles=len(seq),
                         launch={"num_warps": warps, "num_stages": stages})  # fmt: skip

@@ -12,6 +12,7 @@ Everything is built with vectorised numpy over the step's tokens, never a Python
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass
 
@@ -275,8 +276,9 @@ class ModelRunner:
         """Issue the step's work (forward, sampling, copies of the results to the host) without
         waiting for the device (except for prompt logprobs, which are read at once)."""
         h = self._host_inputs(out)
+        T = int(h["qsl"][-1])
         key = self.graphs.pick(h["q_lens"]) if self.graphs is not None else None
-        if key is not None:  # the graph's output holds every token's hidden state, as the eager forward's
+        if key is not None:  # the graph's output: every token's hidden state, then its padding rows
             hidden = self.graphs.run(key, h, self._last_tokens)
         else:
             ids, positions, meta = self._prepare(h)
@@ -288,8 +290,8 @@ class ModelRunner:
             return handle
         reqs = [out.seqs[i].request for i in sampling]
         offsets = None
-        if len(sampling) == hidden.shape[0]:  # one sampled token per row (decode): no gather
-            logits = self._logits(hidden, None)
+        if len(sampling) == T:  # one sampled token per row (decode): no gather
+            logits = self._logits(hidden, None, T)
         else:
             last = h["qsl"][1:][sampling] - 1
             if out.num_spec_tokens:  # a speculating request samples at its last token and every draft
@@ -299,7 +301,7 @@ class ModelRunner:
                 last = np.repeat(last - nspec, counts) + offsets
                 reqs = [r for r, c in zip(reqs, counts.tolist()) for _ in range(c)]
                 handle.row_counts = counts.tolist()
-            logits = self._logits(hidden, last)
+            logits = self._logits(hidden, last, len(last))
         so = self.sampler(logits, reqs, offsets)
         self._last_tokens = so.tokens
         self._last_rows = {r.request_id: i for i, r in enumerate(reqs)}
@@ -325,19 +327,22 @@ class ModelRunner:
         decode steps passed through. The CPU computes exactly n."""
         if self.device.type == "cpu" or n <= 1:  # (one row takes the matrix-vector kernel)
             return n
-        return next((b for b in decode_sizes(self.max_num_seqs) if b >= n), -(-n // 64) * 64)
+        sizes = decode_sizes(self.max_num_seqs)
+        return sizes[bisect.bisect_left(sizes, n)] if n <= sizes[-1] else -(-n // 64) * 64
 
-    def _logits(self, hidden: torch.Tensor, rows: np.ndarray | None) -> torch.Tensor:
-        """Logits of hidden's rows (all of them, or `rows`), over lm_head_rows of them (padded with
-        copies of the last row), the first n returned."""
-        n = hidden.shape[0] if rows is None else len(rows)
+    def _logits(self, hidden: torch.Tensor, rows: np.ndarray | None, n: int) -> torch.Tensor:
+        """Logits of n rows, hidden's first n or `rows`, computed over lm_head_rows(n) of them. The
+        extra rows: a decode graph's own padding rows (its output has exactly that many), else
+        copies of the last row."""
         m = self.lm_head_rows(n)
         if rows is not None:
             if m > n:
                 rows = np.concatenate([rows, np.repeat(rows[-1:], m - n)])
             hidden = hidden[to_device(rows, self.device)]
-        elif m > n:
-            hidden = torch.cat([hidden, hidden[-1:].expand(m - n, -1)])
+        elif hidden.shape[0] >= m:
+            hidden = hidden[:m]
+        else:
+            hidden = torch.cat([hidden[:n], hidden[n - 1 : n].expand(m - n, -1)])
         return self.model.logits(hidden)[:n]
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, qsl: np.ndarray) -> dict:

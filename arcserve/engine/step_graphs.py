@@ -15,6 +15,7 @@ host and run eagerly.
 
 from __future__ import annotations
 
+import functools
 import gc
 
 import numpy as np
@@ -48,8 +49,10 @@ def feed_tokens(ids: torch.Tensor, last: torch.Tensor, dst_h: np.ndarray, src_h:
     ids.index_copy_(0, dst.long(), last[src.long()].to(ids.dtype))
 
 
+@functools.cache
 def decode_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then steps of 8 up to max_num_seqs."""
+    """1, 2, 4, 8, then steps of 8 up to max_num_seqs (one list per max_num_seqs, shared: the runner
+    looks its LM-head rows up in it every step; not to be modified)."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 8))
     return sorted(set(sizes + [max_num_seqs]))
 
@@ -163,7 +166,7 @@ class StepGraphs:
             # one-row product compiled for 136 ms in a throughput run's first batch-1 step; the
             # library's first product at a new row count waits for the device to drain).
             for b in self.decode:
-                self.model.logits(self.graphs[("decode", b)][1][:b])
+                self.model.logits(self.graphs[("decode", b)][1])
         finally:
             gc.enable()
         synchronize(self.device)
@@ -179,17 +182,16 @@ class StepGraphs:
         return None
 
     def run(self, key: tuple[str, int], h: dict, last_tokens: torch.Tensor | None) -> torch.Tensor:
-        """Fill the static inputs (stage), replay, and return the hidden states of the step's T
-        tokens (a view of the graph's output)."""
-        T = self.stage(key, h, last_tokens)
+        """Fill the static inputs (stage), replay, and return the graph's output: the hidden states
+        of the step's T tokens, then the padding rows (the runner's LM head reuses a decode graph's)."""
+        self.stage(key, h, last_tokens)
         graph, hidden = self.graphs[key]
         graph.replay()
-        return hidden[:T]
+        return hidden
 
-    def stage(self, key: tuple[str, int], h: dict, last_tokens: torch.Tensor | None) -> int:
+    def stage(self, key: tuple[str, int], h: dict, last_tokens: torch.Tensor | None) -> None:
         """Fill the static inputs of graph `key` from the step's host arrays (runner._host_inputs)
-        and the tokens the previous step sampled on the device (last_tokens); returns the step's
-        token count T."""
+        and the tokens the previous step sampled on the device (last_tokens)."""
         kind, size = key
         turn = self.turn
         self.turn ^= 1
@@ -219,4 +221,3 @@ class StepGraphs:
         if k:
             st = self.st
             feed_tokens(st["ids"], last_tokens, h["feed_dst"], h["feed_src"], st["feed_dst"][:k], st["feed_src"][:k])
-        return T

@@ -180,17 +180,15 @@ def tile_shape(num_heads: int, num_kv_heads: int, decode_only: bool, device: tor
     return max(1, rows // g_pad), g_pad
 
 
-def plan_tiles(qsl: np.ndarray, block_q: int, seq_lens: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def plan_tiles(qsl: np.ndarray, block_q: int, seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Host-side tile list for a step: (tile_seq, tile_q) int32 arrays. Tiles of prompt chunks
     (sequences with several new tokens) come first: a captured mixed graph splits the KV range of
-    its first tiles only (see paged_attention). Given seq_lens, longer contexts come first within
-    each kind: the device starts programs in order, so the longest start early and the short ones
-    fill the last wave (a batch of mixed lengths otherwise ends on a few long programs)."""
+    its first tiles only (see paged_attention). Within each kind longer contexts (seq_lens) come
+    first, equal ones in sequence order: the device starts programs in order, so the longest start
+    early and the short ones fill the last wave (a batch of mixed lengths otherwise ends on a few
+    long programs)."""
     q_lens = qsl[1:] - qsl[:-1]
-    if seq_lens is None:
-        order = np.argsort(q_lens <= 1, kind="stable").astype(np.int32)
-    else:
-        order = np.lexsort((-np.asarray(seq_lens[: len(q_lens)]), q_lens <= 1)).astype(np.int32)
+    order = np.lexsort((-np.asarray(seq_lens[: len(q_lens)]), q_lens <= 1)).astype(np.int32)
     n = -(-q_lens[order] // block_q)
     seq = np.repeat(order, n)
     first = np.repeat(np.cumsum(n) - n, n)

@@ -458,7 +458,7 @@ def test_tile_shape_pads_decode_tiles_only_where_the_backend_needs_it(heads, kvh
 
 def test_plan_tiles_cover_every_token_once():
     qsl = np.array([0, 1, 18, 19, 52])
-    seq, q0 = triton_attention.plan_tiles(qsl, 8)
+    seq, q0 = triton_attention.plan_tiles(qsl, 8, np.full(4, 60))  # equal contexts: sequence order
     covered = sorted((int(s), int(t)) for s, a in zip(seq, q0) for t in range(a, min(a + 8, qsl[s + 1] - qsl[s])))
     assert covered == [(s, t) for s in range(4) for t in range(int(qsl[s + 1] - qsl[s]))]
     # prompt chunks' tiles first (a mixed graph splits those), then the single-token sequences'
