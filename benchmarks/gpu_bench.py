@@ -97,6 +97,7 @@ def bench_throughput(a, dirs) -> dict:
     if prof:
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert out_tokens == sum(o for _, o in reqs)
     r = {"bench": "throughput", "elapsed_s": round(dt, 2), "output_tok_s": round(out_tokens / dt, 1),

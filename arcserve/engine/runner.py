@@ -214,11 +214,14 @@ class ModelRunner:
         np.cumsum(q_lens, out=qsl[1:])
         seq_lens = starts + q_lens
         max_blocks = int(-(-seq_lens.max() // bs))
-        tables = np.zeros((len(seqs), max_blocks), dtype=np.int64)
+        tables = out.block_tables
+        if tables is None:  # (steps built elsewhere, a draft model's)
+            tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+            for i, s in enumerate(seqs):
+                nb = -(-int(seq_lens[i]) // bs)
+                tables[i, :nb] = s.block_table[:nb]
         id_lists, feed_dst, feed_src = [], [], []
         for i, s in enumerate(seqs):
-            nb = -(-int(seq_lens[i]) // bs)
-            tables[i, :nb] = s.block_table[:nb]
             known = s.new_token_ids
             if len(known) < s.num_new_tokens:
                 rid = s.request.request_id
@@ -231,7 +234,7 @@ class ModelRunner:
         ids = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int64, count=T)
         seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
         positions = np.arange(T) - qsl[:-1][seq_of_token] + starts[seq_of_token]
-        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         seq_ids = np.fromiter((s.request.seq_no for s in seqs), dtype=np.int64, count=len(seqs))
         return {"ids": ids, "positions": positions, "q_lens": q_lens, "qsl": qsl, "seq_lens": seq_lens,
                 "tables": tables, "slots": slots, "seq_ids": seq_ids,

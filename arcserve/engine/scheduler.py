@@ -15,6 +15,8 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from arcserve.engine.kv_cache import KVCacheManager
 from arcserve.engine.policy import SchedulingPolicy
 from arcserve.engine.request import Request, RequestStatus
@@ -45,6 +47,9 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     preempted: list[str] = field(default_factory=list)
     num_spec_tokens: int = 0  # drafts scheduled in all (speculative decoding)
+    # The seqs' block tables as one int32 array [len(seqs), blocks of the longest], zero past each
+    # table's end (None: the runner builds it from each seq's block_table)
+    block_tables: np.ndarray | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -181,6 +186,9 @@ class Scheduler:
 
         out.seqs = list(scheduled.values())
         out.num_batched_tokens = self.max_num_batched_tokens - budget
+        if out.seqs:
+            end = max(s.start_pos + s.num_new_tokens for s in out.seqs)
+            out.block_tables = self.kv.block_tables(list(scheduled), -(-end // self.kv.block_size))
         return out
 
     def _scheduled(self, req: Request, n: int, spec: list[int] | None = None) -> ScheduledSeq:

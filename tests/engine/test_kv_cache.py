@@ -335,6 +335,22 @@ def check_invariants(sched: Scheduler, out, overlap: bool) -> None:
         assert req.status == RequestStatus.WAITING
         assert req.request_id not in kv.blocks
         assert req.num_computed_tokens == 0
+    # The array form of the block tables: one row per holder, its table then zeros; rows of
+    # requests gone are free and zeroed; the step's tables are its seqs' rows.
+    assert set(kv.table_row) == set(kv.blocks)
+    rows = list(kv.table_row.values())
+    assert len(set(rows)) == len(rows) and not set(rows) & set(kv._free_rows)
+    assert sorted(rows + kv._free_rows) == list(range(len(rows) + len(kv._free_rows)))
+    for rid, table in kv.blocks.items():
+        row = kv.table[kv.table_row[rid]]
+        assert row[: len(table)].tolist() == table and not row[len(table) :].any()
+    for r in kv._free_rows:
+        assert not kv.table[r].any()
+    if out.seqs:
+        assert out.block_tables.dtype == np.int32 and out.block_tables.shape[0] == len(out.seqs)
+        for s, row in zip(out.seqs, out.block_tables):
+            nb = -(-(s.start_pos + s.num_new_tokens) // BS)
+            assert row[:nb].tolist() == s.block_table[:nb]
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
