@@ -10,6 +10,7 @@ which frees its KV blocks at the engine's next turn.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -70,6 +71,42 @@ class ServerShuttingDown(Exception):
     unfinished ones are stopped with this error (HTTP 503)."""
 
 
+class OutputQueue(asyncio.Queue):
+    """A request's outputs. Streamed outputs are deltas: one that arrives while the previous is still
+    unread joins it (as vLLM does), so a consumer that falls behind (a saturated event loop, a slow
+    client) gets fewer, longer chunks instead of a backlog of one-token chunks, each costing the
+    server a JSON encoding and a socket write."""
+
+    def __init__(self, deltas: bool) -> None:
+        super().__init__()
+        self.deltas = deltas
+
+    def _put(self, item) -> None:
+        q = self._queue
+        if self.deltas and q and isinstance(item, RequestOutput) and isinstance(q[-1], RequestOutput):
+            q[-1] = join_deltas(q[-1], item)
+        else:
+            q.append(item)
+
+
+def join_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two successive delta outputs of one request as one: each sequence's new text, tokens and
+    logprobs in order; the later one's state (finish, cumulative logprob, metrics)."""
+    outs = {o.index: o for o in a.outputs}
+    for o in b.outputs:
+        prev = outs.get(o.index)
+        if prev is not None:
+            o = dataclasses.replace(
+                o, text=prev.text + o.text, token_ids=list(prev.token_ids) + list(o.token_ids),
+                logprobs=None if o.logprobs is None else list(prev.logprobs or ()) + list(o.logprobs),
+            )  # fmt: skip
+        outs[o.index] = o
+    return dataclasses.replace(
+        b, outputs=[outs[i] for i in sorted(outs)], extra={**a.extra, **b.extra},
+        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+    )  # fmt: skip
+
+
 class AsyncLLM:
     def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None, start: bool = True) -> None:
         self.engine = engine
@@ -120,7 +157,7 @@ class AsyncLLM:
             if dup:
                 raise ValueError(f"request_id {dup[0]!r} is already in use")
             for group, _ in prepared:
-                q: asyncio.Queue = asyncio.Queue()
+                q = OutputQueue(deltas=stream)
                 self._streams[group.request_id] = (loop, q)
                 streams.append(RequestStream(self, group.request_id, q))
             self._pending += sum(g.params.n for g, _ in prepared)
@@ -186,11 +223,19 @@ class AsyncLLM:
 
     # ---- engine thread ------------------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, object]]) -> None:
+        """(request id, output or error) pairs to their streams: one wake-up of each event loop for
+        the lot (a wake-up writes to the loop's socket: once a step, not once a token)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
-            target = self._streams.get(request_id)
-        if target is not None:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            for rid, item in items:
+                target = self._streams.get(rid)
+                if target is not None:
+                    by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, puts in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, puts)
 
     def _drain_commands(self) -> None:
         while True:
@@ -229,10 +274,13 @@ class AsyncLLM:
                 self._wake.clear()
                 continue
             outputs, failed, err = step_isolated(self.engine)
-            for out in outputs:
-                self._deliver(out.request_id, out)
-            for rid in failed:
-                self._deliver(rid, RequestFailed(repr(err)))
+            self._deliver_all([(out.request_id, out) for out in outputs]
+                              + [(rid, RequestFailed(repr(err))) for rid in failed])  # fmt: skip
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in puts:
+        q.put_nowait(item)
 
 
 _DEAD_CHECK_S = 1.0

@@ -166,8 +166,7 @@ class AsyncLLMProcess(AsyncLLM):
                 self.engine.snapshot = {**self.engine.snapshot, **snapshot}  # first: then the added ones
                 with self._lock:  # are counted there before they leave _pending (never in neither)
                     self._pending -= added
-                for out in outs:
-                    self._deliver(out.request_id, out)
+                self._deliver_all([(out.request_id, out) for out in outs])
             elif kind == "error":
                 self._deliver(msg[1], ValueError(msg[2]))
             elif kind == "failed":
