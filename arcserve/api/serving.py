@@ -123,7 +123,16 @@ class Serving:
 
     @staticmethod
     async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) from all streams as they come."""
+        """(prompt index, output) from all streams as they come. One stream (the common case) is read
+        directly: its deltas then stay in its own queue until read, where those that pile up join
+        (async_engine.OutputQueue), and no hand-off task runs per token."""
+        if len(streams) == 1:
+            try:
+                async for out in streams[0]:
+                    yield 0, out
+            finally:
+                streams[0].close()
+            return
         q: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, s: RequestStream) -> None:
@@ -228,10 +237,10 @@ class Serving:
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                              "choices": choices, "usage": self._usage(plens, completion)})  # fmt: skip
 
-    def _prompt_part(self, out: RequestOutput, k: int) -> dict:
+    def _prompt_part(self, token_ids: list[int], prompt_logprobs: list | None, k: int) -> dict:
         """Legacy logprobs of the prompt tokens (the first has none), for echo."""
         toks, lps, tops, offs, off = [], [], [], [], 0
-        for tid, entries in zip(out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids)):
+        for tid, entries in zip(token_ids, prompt_logprobs or [None] * len(token_ids)):
             s = entries[tid].decoded_token if entries is not None else self._token_str(tid)
             toks.append(s)
             offs.append(off)
@@ -254,7 +263,8 @@ class Serving:
     def _echo_logprobs(self, out: RequestOutput, o: CompletionOutput, body: CompletionRequest) -> dict | None:
         if body.logprobs is None:
             return None
-        return self._join_logprobs(self._prompt_part(out, body.logprobs), self._completion_logprobs(o, 0, body.logprobs))
+        return self._join_logprobs(self._prompt_part(out.prompt_token_ids, out.prompt_logprobs, body.logprobs),
+                                   self._completion_logprobs(o, 0, body.logprobs))  # fmt: skip
 
     def _prompt_text(self, p: dict) -> str:
         return p["prompt"] if p["prompt"] is not None else self.tokenizer.decode(p["prompt_token_ids"])
@@ -266,8 +276,13 @@ class Serving:
         per_choice: dict[int, int] = {}
         echoed: set[int] = set()  # choices whose first chunk (the prompt's text and logprobs) went out
         offsets: dict[int, int] = {}
+        # Each prompt's logprobs come with its first delta only; a choice whose first tokens come in
+        # a later delta (its prompt computed a step later) echoes them from there.
+        prompt_lps: dict[int, list] = {}
         try:
             async for i, out in self._merge(streams):
+                if out.prompt_logprobs is not None:
+                    prompt_lps.setdefault(i, out.prompt_logprobs)
                 for o in out.outputs:
                     o = _nothing_generated(o) if echo_only else o
                     idx = i * n + o.index
@@ -283,7 +298,8 @@ class Serving:
                     lp = self._completion_logprobs(o, start, k)
                     if lp is not None:
                         if first_echo:  # first chunk: the prompt's logprobs too, the tokens' offsets after them
-                            lp = self._join_logprobs(self._prompt_part(out, k), lp)
+                            part = self._prompt_part(out.prompt_token_ids, prompt_lps.get(i), k)
+                            lp = self._join_logprobs(part, lp)
                         offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else start
                     yield self._sse({
                         "id": rid, "object": "text_completion", "created": created, "model": self.model_name,

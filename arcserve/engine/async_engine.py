@@ -278,9 +278,14 @@ class AsyncLLM:
                               + [(rid, RequestFailed(repr(err))) for rid in failed])  # fmt: skip
 
 
-def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
+def _put_all(puts: list[tuple[OutputQueue, object]]) -> None:
     for q, item in puts:
-        q.put_nowait(item)
+        try:
+            q.put_nowait(item)
+        except Exception as e:  # (a delta that would not join): that stream fails, the others get theirs
+            logger.exception("could not queue an output of a request")
+            q.deltas = False
+            q.put_nowait(e)
 
 
 _DEAD_CHECK_S = 1.0

@@ -193,13 +193,10 @@ class KVCacheManager:
 
     def block_tables(self, request_ids: list[str], num_blocks: int) -> np.ndarray:
         """The first num_blocks entries of each request's block table, in request order: an int32
-        array [len(request_ids), num_blocks], zero past each table's end."""
+        array [len(request_ids), num_blocks], zero past each table's end (num_blocks: at most the
+        longest of those tables)."""
         rows = np.fromiter((self.table_row[r] for r in request_ids), dtype=np.int64, count=len(request_ids))
-        if num_blocks > self.table.shape[1]:  # (only beyond every table: zeros)
-            out = np.zeros((len(rows), num_blocks), dtype=np.int32)
-            out[:, : self.table.shape[1]] = self.table[rows]
-            return out
-        return self.table[rows, :num_blocks]
+        return self.table[rows, :num_blocks]  # (the array is as wide as the longest table, at least)
 
     def commit(self, req: Request) -> None:
         """Register the request's blocks that its computed tokens have filled in the prefix cache."""

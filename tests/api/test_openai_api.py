@@ -781,3 +781,23 @@ def test_echo_with_logprobs_gives_prompt_logprobs(client, server, hf):
     streamed = [x for c in chunks for ch in c.choices if ch.logprobs for x in ch.logprobs.token_logprobs]
     assert streamed == lp.token_logprobs
     assert "".join(ch.text for c in chunks for ch in c.choices) == r.choices[0].text
+
+
+def test_streamed_echo_logprobs_of_a_choice_that_starts_a_step_later(llama_dir):
+    """n = 2 with echo + logprobs under a 16-token budget: the second choice's prompt is computed a
+    step after the first's, so its first tokens come in a later delta than the one that carried the
+    prompt's logprobs; its echoed prompt logprobs must still be those of the non-streamed answer."""
+    prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * 3)
+    with serve(llama_dir, max_num_batched_tokens=16) as s:
+        c = openai.OpenAI(base_url=s.v1, api_key="x", max_retries=0)
+        kw = dict(model=MODEL, prompt=prompt, max_tokens=4, n=2, logprobs=1, echo=True, **GREEDY, extra_body=NO_EOS)
+        full = {ch.index: ch.logprobs for ch in c.completions.create(**kw).choices}
+        first: dict[int, list] = {}
+        for chunk in c.completions.create(stream=True, **kw):
+            for ch in chunk.choices:
+                if ch.logprobs and ch.index not in first:
+                    first[ch.index] = ch.logprobs.token_logprobs
+    for i in (0, 1):
+        n_prompt = len(full[i].token_logprobs) - 4
+        assert n_prompt > 16 and full[i].token_logprobs[1:n_prompt] == first[i][1:n_prompt]
+        assert None not in first[i][1:n_prompt]

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from arcserve import EngineArgs, SamplingParams
-from arcserve.engine.async_engine import AsyncLLM, OutputQueue, join_deltas
+from arcserve.engine.async_engine import AsyncLLM, OutputQueue, _put_all, join_deltas
 from arcserve.engine.engine import LLMEngine
 from arcserve.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -57,6 +57,23 @@ def test_output_queue_joins_unread_deltas_only():
         final.put_nowait(delta({0: [1]}))
         final.put_nowait(delta({0: [2]}))
         assert final.qsize() == 2
+
+    asyncio.run(run())
+
+
+def test_a_put_that_fails_fails_only_its_stream():
+    """A step's outputs go to their queues in one callback: one that cannot be queued turns into an
+    error for its own stream, and the other streams still get theirs."""
+
+    async def run():
+        bad, good = OutputQueue(deltas=True), OutputQueue(deltas=True)
+        bad.put_nowait(delta({0: [1]}))
+        broken = delta({0: [2]})
+        broken.outputs = None  # join_deltas cannot read it
+        _put_all([(bad, broken), (good, delta({0: [3]}))])
+        assert good.get_nowait().outputs[0].token_ids == [3]
+        assert bad.get_nowait().outputs[0].token_ids == [1]
+        assert isinstance(bad.get_nowait(), TypeError) and bad.empty()
 
     asyncio.run(run())
 
