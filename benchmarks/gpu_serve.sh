@@ -2,11 +2,11 @@
 # Serving benchmark of issue 4 on a GPU machine: `arcserve serve` of the Qwen3-0.6B shape with dummy
 # weights (bf16), driven by `arcserve bench serve`: random 1024-token prompts, 256 output tokens
 # (ignore_eos), 400 requests, Poisson arrivals at 32 req/s.
-#   benchmarks/gpu_serve.sh [WHEELS_DIR]   # WHEELS_DIR: fastapi/uvicorn/pydantic/httpx wheels for an
-#                                          # offline machine (pip download ... -d WHEELS_DIR)
+#   benchmarks/gpu_serve.sh [WHEELS_DIR]   # WHEELS_DIR: fastapi/uvicorn/pydantic/httpx/httptools/uvloop
+#                                          # wheels for an offline machine (pip download ... -d WHEELS_DIR)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ -n "${1:-}" ]; then python3 -m pip install -q --no-index --find-links "$1" fastapi uvicorn pydantic httpx; fi
+if [ -n "${1:-}" ]; then python3 -m pip install -q --no-index --find-links "$1" fastapi uvicorn pydantic httpx httptools uvloop; fi
 export PYTHONPATH=${PYTHONPATH:-.}
 PORT=8299
 python3 benchmarks/model_shapes.py /tmp/arcserve-shapes >/dev/null
