@@ -98,6 +98,9 @@ class DraftProposer:
         ds.token_ids = req.token_ids
         return ds
 
+    def _step(self, seqs: list[ScheduledSeq]) -> SchedulerOutput:
+        return SchedulerOutput(seqs, sum(s.num_new_tokens for s in seqs), block_tables=self.kv.block_tables(seqs))
+
     def propose(self, wanted: list[tuple[Request, int]], running: list[Request]) -> None:
         """Set spec_token_ids of each (request, k) to k drafts (none where the draft cache is full or
         still catching up on a long prompt); drop the draft state of requests not running."""
@@ -116,21 +119,21 @@ class DraftProposer:
             chunk = n if done else budget  # a long catch-up takes several steps (no drafts meanwhile)
             if not self.kv.allocate(ds, chunk + (k - 1 if done else 0)):
                 continue
-            first.append(ScheduledSeq(ds, ds.num_computed_tokens, chunk, self.kv.block_table(ds.request_id), done))
+            first.append(ScheduledSeq(ds, ds.num_computed_tokens, chunk, done))
             ds.num_computed_tokens += chunk
             budget -= chunk
             if done:
                 active.append((req, ds, k))
         if not first:
             return
-        handles = [self.runner.launch(SchedulerOutput(first, sum(s.num_new_tokens for s in first)))]
+        handles = [self.runner.launch(self._step(first))]
         for j in range(1, max((k for _, _, k in active), default=1)):
             seqs = []
             for _, ds, k in active:  # one token each, fed on the device from the previous step
                 if k > j:
-                    seqs.append(ScheduledSeq(ds, ds.num_computed_tokens, 1, self.kv.block_table(ds.request_id), True))
+                    seqs.append(ScheduledSeq(ds, ds.num_computed_tokens, 1, True))
                     ds.num_computed_tokens += 1
-            handles.append(self.runner.launch(SchedulerOutput(seqs, len(seqs))))
+            handles.append(self.runner.launch(self._step(seqs)))
         results = [h.result().tokens for h in handles]
         for req, ds, k in active:
             ds.base = req.num_tokens

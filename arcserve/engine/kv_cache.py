@@ -173,9 +173,9 @@ class KVCacheManager:
         if req.request_id not in self.blocks:
             self.blocks[req.request_id] = []
             self._num_hashed[req.request_id] = len(cached)
-        table = self.blocks[req.request_id]
-        self._write_row(req.request_id, len(table), cached + new)
-        table.extend(cached + new)
+        table, added = self.blocks[req.request_id], cached + new
+        self._write_row(req.request_id, len(table), added)
+        table.extend(added)
         return True
 
     def _write_row(self, request_id: str, start: int, blocks: list[int]) -> None:
@@ -191,12 +191,12 @@ class KVCacheManager:
             self.table = grown
         self.table[row, start:end] = blocks
 
-    def block_tables(self, request_ids: list[str], num_blocks: int) -> np.ndarray:
-        """The first num_blocks entries of each request's block table, in request order: an int32
-        array [len(request_ids), num_blocks], zero past each table's end (num_blocks: at most the
-        longest of those tables)."""
-        rows = np.fromiter((self.table_row[r] for r in request_ids), dtype=np.int64, count=len(request_ids))
-        return self.table[rows, :num_blocks]  # (the array is as wide as the longest table, at least)
+    def block_tables(self, seqs: list) -> np.ndarray:
+        """A step's block tables (seqs: its ScheduledSeqs, whose requests hold blocks): an int32 array
+        [len(seqs), blocks up to the furthest position computed], zero past each table's end."""
+        rows = np.fromiter((self.table_row[s.request.request_id] for s in seqs), dtype=np.int64, count=len(seqs))
+        end = max((s.start_pos + s.num_new_tokens for s in seqs), default=0)
+        return self.table[rows, : -(-end // self.block_size)]  # (the array is at least that wide)
 
     def commit(self, req: Request) -> None:
         """Register the request's blocks that its computed tokens have filled in the prefix cache."""

@@ -213,13 +213,7 @@ class ModelRunner:
         qsl = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
         seq_lens = starts + q_lens
-        max_blocks = int(-(-seq_lens.max() // bs))
         tables = out.block_tables
-        if tables is None:  # (steps built elsewhere, a draft model's)
-            tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
-            for i, s in enumerate(seqs):
-                nb = -(-int(seq_lens[i]) // bs)
-                tables[i, :nb] = s.block_table[:nb]
         id_lists, feed_dst, feed_src = [], [], []
         for i, s in enumerate(seqs):
             known = s.new_token_ids

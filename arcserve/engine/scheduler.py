@@ -27,7 +27,6 @@ class ScheduledSeq:
     request: Request  # read-only for the runner: sampling params, seed, token history
     start_pos: int  # tokens already in the KV cache
     num_new_tokens: int  # tokens computed this step (positions start_pos ...)
-    block_table: list[int]
     sample: bool  # the chunk reaches the end of the sequence: sample the next token
     # Speculative decoding: draft tokens scheduled after the request's last token (they are the
     # last len(spec_token_ids) of num_new_tokens); every position from the last token on samples.
@@ -47,8 +46,7 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     preempted: list[str] = field(default_factory=list)
     num_spec_tokens: int = 0  # drafts scheduled in all (speculative decoding)
-    # The seqs' block tables as one int32 array [len(seqs), blocks of the longest], zero past each
-    # table's end (None: the runner builds it from each seq's block_table)
+    # The seqs' block tables, one int32 row each (KVCacheManager.block_tables)
     block_tables: np.ndarray | None = None
 
     @property
@@ -186,9 +184,7 @@ class Scheduler:
 
         out.seqs = list(scheduled.values())
         out.num_batched_tokens = self.max_num_batched_tokens - budget
-        if out.seqs:
-            end = max(s.start_pos + s.num_new_tokens for s in out.seqs)
-            out.block_tables = self.kv.block_tables(list(scheduled), -(-end // self.kv.block_size))
+        out.block_tables = self.kv.block_tables(out.seqs)
         return out
 
     def _scheduled(self, req: Request, n: int, spec: list[int] | None = None) -> ScheduledSeq:
@@ -196,7 +192,6 @@ class Scheduler:
             request=req,
             start_pos=req.num_computed_tokens,
             num_new_tokens=n,
-            block_table=self.kv.block_table(req.request_id),
             sample=req.num_computed_tokens + n == req.num_tokens + req.num_pending + len(spec or ()),
             spec_token_ids=spec or [],
         )
