@@ -97,8 +97,8 @@ def join_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         prev = outs.get(o.index)
         if prev is not None:
             o = dataclasses.replace(
-                o, text=prev.text + o.text, token_ids=list(prev.token_ids) + list(o.token_ids),
-                logprobs=None if o.logprobs is None else list(prev.logprobs or ()) + list(o.logprobs),
+                o, text=prev.text + o.text, token_ids=prev.token_ids + o.token_ids,
+                logprobs=None if o.logprobs is None else (prev.logprobs or []) + o.logprobs,
             )  # fmt: skip
         outs[o.index] = o
     return dataclasses.replace(
