@@ -79,10 +79,17 @@ def weight_bytes(cfg: dict) -> int:
     return 2 * (layers * per_layer + v * h)
 
 
-def bench_throughput(a, dirs) -> dict:
+def throughput_workload(num: int = 256, max_out: int = 1024, ids: tuple[int, int] = (1000, 150000)):
+    """The throughput benchmark's requests: [(input len, output len)] uniform in [100, 1024] (outputs
+    up to max_out) and their prompts of random token ids in [ids[0], ids[1])."""
     rng = random.Random(0)
-    reqs = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(256)]
-    prompts = [{"prompt_token_ids": [rng.randrange(1000, 150000) for _ in range(i)]} for i, _ in reqs]
+    reqs = [(rng.randint(100, 1024), rng.randint(100, max_out)) for _ in range(num)]
+    prompts = [{"prompt_token_ids": [rng.randrange(*ids) for _ in range(i)]} for i, _ in reqs]
+    return reqs, prompts
+
+
+def bench_throughput(a, dirs) -> dict:
+    reqs, prompts = throughput_workload()
     kw = {"max_num_batched_tokens": a.max_num_batched_tokens} if a.max_num_batched_tokens else {}
     llm, SP = engine(a, dirs["qwen3-0.6b"], max_model_len=4096, **kw)
     params = [SP(max_tokens=o, temperature=0.6, ignore_eos=True) for _, o in reqs]

@@ -16,22 +16,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import random
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from model_shapes import SHAPES, write_tokenizer  # noqa: E402
-
-TINY = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "vocab_size": 1024, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-    "tie_word_embeddings": True, "torch_dtype": "float32",
-}  # fmt: skip
+from gpu_bench import throughput_workload  # noqa: E402
+from model_shapes import SHAPES, TINY, write_model_dir  # noqa: E402
 
 
 def batch(out) -> int:
@@ -92,16 +84,12 @@ def main() -> None:
 
     from arcserve import LLM, SamplingParams
 
-    d = Path(tempfile.mkdtemp())
-    (d / "config.json").write_text(json.dumps(SHAPES[a.shape] if a.shape else TINY))
-    write_tokenizer(d)
+    cfg = SHAPES[a.shape] if a.shape else TINY
+    d = write_model_dir(Path(tempfile.mkdtemp()), cfg)
     kw = {"async_scheduling": a.async_scheduling == "on"} if a.async_scheduling else {}
     llm = LLM(model=str(d), load_format="dummy", dtype="bfloat16" if a.shape else "float32", device=a.device,
               max_model_len=4096, **kw)  # fmt: skip
-    rng = random.Random(0)
-    vocab = (SHAPES[a.shape] if a.shape else TINY)["vocab_size"]
-    reqs = [(rng.randint(100, 1024), rng.randint(100, a.max_out)) for _ in range(a.num_requests)]
-    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(i)]} for i, _ in reqs]
+    reqs, prompts = throughput_workload(a.num_requests, a.max_out, (3, min(cfg["vocab_size"], 150000)))
     params = [SamplingParams(max_tokens=o, temperature=0.6, ignore_eos=True) for _, o in reqs]
     llm.generate(prompts[:8], [SamplingParams(max_tokens=16, ignore_eos=True)] * 8, use_tqdm=False)  # warm-up
 

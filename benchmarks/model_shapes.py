@@ -29,6 +29,23 @@ SHAPES = {
     },
 }  # fmt: skip
 
+# A tiny Qwen3-like model for measuring host work (not a real shape; not among SHAPES)
+TINY = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "vocab_size": 1024, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "tie_word_embeddings": True, "torch_dtype": "float32",
+}  # fmt: skip
+
+
+def write_model_dir(path: Path, cfg: dict) -> Path:
+    """config.json and the small tokenizer in `path`."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    if not (path / "tokenizer.json").exists():
+        write_tokenizer(path)
+    return path
+
 
 def write_tokenizer(path: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -45,15 +62,7 @@ def write_tokenizer(path: Path) -> None:
 
 
 def make_shape_dirs(root: str | Path) -> dict[str, Path]:
-    out = {}
-    for name, cfg in SHAPES.items():
-        d = Path(root) / name
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "config.json").write_text(json.dumps(cfg, indent=1))
-        if not (d / "tokenizer.json").exists():
-            write_tokenizer(d)
-        out[name] = d
-    return out
+    return {name: write_model_dir(Path(root) / name, cfg) for name, cfg in SHAPES.items()}
 
 
 if __name__ == "__main__":

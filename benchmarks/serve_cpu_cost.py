@@ -26,8 +26,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from host_step_time import TINY  # noqa: E402
-from model_shapes import write_tokenizer  # noqa: E402
+from model_shapes import TINY, write_model_dir  # noqa: E402
 
 
 def cpu_seconds(pid: int) -> float:
@@ -47,11 +46,7 @@ def main() -> None:
     p.add_argument("--serve-args", default="", help="extra arguments for arcserve serve")
     a = p.parse_args()
 
-    model = a.model
-    if model is None:
-        model = tempfile.mkdtemp()
-        (Path(model) / "config.json").write_text(json.dumps(TINY))
-        write_tokenizer(Path(model))
+    model = a.model or str(write_model_dir(Path(tempfile.mkdtemp()), TINY))
     serve = [sys.executable, "-m", "arcserve.cli", "serve", model, "--load-format", "dummy", "--port", str(a.port),
              "--max-model-len", "4096", "--log-level", "warning", *a.serve_args.split()]  # fmt: skip
     server = subprocess.Popen(serve, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
