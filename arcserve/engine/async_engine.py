@@ -152,7 +152,9 @@ class AsyncLLM:
         self._check_capacity(sum(g.params.n for g, _ in prepared))
         loop = asyncio.get_running_loop()
         streams = []
-        with self._lock:
+        with self._lock:  # (dead is set under this lock: a stream opened here is failed by _die, or never opened)
+            if self.dead is not None:
+                raise EngineDeadError(f"the engine stopped after an internal error: {self.dead!r}")
             dup = [g.request_id for g, _ in prepared if g.request_id in self._streams]
             if dup:
                 raise ValueError(f"request_id {dup[0]!r} is already in use")
@@ -256,7 +258,8 @@ class AsyncLLM:
         """The engine cannot go on: every open request fails at once (no client waits on a dead
         stream) and /health answers 503."""
         logger.error("the engine stopped: %r", err)
-        self.dead = err
+        with self._lock:  # every stream opened before this fails below; none opens after it
+            self.dead = err
         self.cancel_all(EngineDeadError(f"the engine stopped: {err!r}"))
 
     def _run(self) -> None:
@@ -288,10 +291,6 @@ def _put_all(puts: list[tuple[OutputQueue, object]]) -> None:
             q.put_nowait(e)
 
 
-_DEAD_CHECK_S = 1.0
-_timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
-
-
 class RequestStream:
     """Outputs of one request. close() (or leaving an `async for` early) aborts it if unfinished."""
 
@@ -307,7 +306,7 @@ class RequestStream:
         if self.finished or self.closed:
             raise StopAsyncIteration
         try:
-            item = self.q.get_nowait() if not self.q.empty() else await self._wait()
+            item = self.q.get_nowait() if not self.q.empty() else await self.q.get()
         except BaseException:  # cancelled (client went away): abort the request
             self.close()
             raise
@@ -319,20 +318,6 @@ class RequestStream:
             self.finished = True
             self.close()
         return item
-
-    async def _wait(self):
-        """The next item; wakes up every _DEAD_CHECK_S so that a dead engine ends the stream
-        instead of leaving it hanging. (asyncio.timeout where there is one: wait_for makes a task
-        per call on Python < 3.12, a cost per token of every stream.)"""
-        while True:
-            try:
-                if _timeout is not None:
-                    async with _timeout(_DEAD_CHECK_S):
-                        return await self.q.get()
-                return await asyncio.wait_for(self.q.get(), _DEAD_CHECK_S)
-            except asyncio.TimeoutError:
-                if self.owner.dead is not None and self.q.empty():
-                    return EngineDeadError(f"the engine stopped: {self.owner.dead!r}")
 
     def close(self) -> None:
         if not self.closed:

@@ -209,3 +209,26 @@ def test_an_engine_process_that_dies_while_starting_is_reported(llama_dir):
     t.join(timeout=20)
     assert not t.is_alive(), "startup still waits for a dead engine process"
     assert "engine process exited while starting" in result.get("error", ""), result
+
+
+def test_a_dead_engine_fails_every_stream_opened_before_and_opens_none_after(llama_dir):
+    """When the engine dies, every stream already open gets the error (no reader is left waiting:
+    streams have no timeout), and a request that comes after is refused before a stream opens."""
+    import asyncio
+
+    from arcserve.engine.async_engine import AsyncLLM, EngineDeadError
+
+    front = AsyncLLM(make_engine(llama_dir, False), start=False)  # no engine thread: only what _die does
+
+    async def run():
+        params = SamplingParams(max_tokens=4)
+        open_ = [front.add_request({"prompt_token_ids": [51, 52]}, params, f"r{i}") for i in range(3)]
+        front._die(RuntimeError("device lost"))
+        for s in open_:
+            with pytest.raises(EngineDeadError, match="device lost"):
+                await asyncio.wait_for(s.__anext__(), 5)
+        with pytest.raises(EngineDeadError, match="device lost"):
+            front.add_request({"prompt_token_ids": [51, 52]}, params, "late")
+        assert not front._streams
+
+    asyncio.run(run())
