@@ -213,9 +213,10 @@ class AsyncLLM:
         Returns how many were stopped (graceful shutdown past its timeout)."""
         with self._lock:
             ids = list(self._streams)
-        for rid in ids:
-            self._deliver(rid, err)
-            self.abort(rid)
+        self._deliver_all([(rid, err) for rid in ids])  # every caller first: aborts may block on a pipe
+        if self.dead is None:  # (a dead engine frees nothing)
+            for rid in ids:
+                self.abort(rid)
         return len(ids)
 
     def shutdown(self) -> None:

@@ -153,8 +153,9 @@ class AsyncLLMProcess(AsyncLLM):
         try:
             with self._send_lock:  # the event loop and the shutdown timer both send
                 self._cmd.send((kind, arg))
-        except (BrokenPipeError, OSError) as e:
-            self.dead = e
+        except (BrokenPipeError, OSError) as e:  # the engine process is gone: the reader fails the streams
+            with self._lock:
+                self.dead = self.dead or e
 
     def _receive(self) -> None:
         try:
@@ -162,6 +163,9 @@ class AsyncLLMProcess(AsyncLLM):
         except BaseException as e:  # a fault of this thread: no stream may be left waiting on it
             logger.exception("the thread reading the engine's outputs failed")
             if not self._stop:
+                # Nothing reads the engine's outputs any more: stop it (it would block writing
+                # them, and stop reading commands) before failing every stream.
+                self.proc.kill()
                 self._die(e)
 
     def _receive_loop(self) -> None:

@@ -123,7 +123,9 @@ def test_an_engine_process_killed_mid_stream_fails_open_streams_fast(llama_dir):
         with httpx.stream("POST", f"{p.base}/v1/completions", json={**long, "stream": True}, timeout=30) as r:
             lines = r.iter_lines()
             first = next(x for x in lines if x)
+            deadline = time.monotonic() + 20
             while p.front._num_running() < 2:  # both in the engine (its figures come with every step)
+                assert time.monotonic() < deadline, "the two requests never ran together"
                 time.sleep(0.005)
             t0 = time.monotonic()
             os.kill(p.front.proc.pid, signal.SIGKILL)
@@ -140,3 +142,36 @@ def test_an_engine_process_killed_mid_stream_fails_open_streams_fast(llama_dir):
         again = p.post("/v1/completions", json={**long, "max_tokens": 2})
         assert again.status_code == 500 and "engine stopped" in again.json()["error"]["message"]
         assert p.front._prompts == {}
+
+
+def test_a_failing_output_reader_fails_every_stream_and_stops_the_engine(llama_dir):
+    """If the server's thread that reads the engine process's outputs fails (a bug there, not in
+    the engine), every open stream gets the error at once and the engine process is stopped (left
+    running, it would block writing outputs no one reads); the server answers 503 on /health."""
+    long = {
+        "model": MODEL,
+        "prompt": "The quick brown fox",
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    with serve(llama_dir, process=True) as p:
+        real = p.front._deliver_all
+        broken = threading.Event()
+
+        def deliver_all(items):  # fails once when asked (then _die's own delivery works)
+            if broken.is_set():
+                broken.clear()
+                raise RuntimeError("reader bug")
+            real(items)
+
+        p.front._deliver_all = deliver_all
+        with httpx.stream("POST", f"{p.base}/v1/completions", json={**long, "stream": True}, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(x for x in lines if x).startswith("data: ")
+            broken.set()
+            rest = [x for x in lines if x]
+        assert rest[-1] == "data: [DONE]" and "reader bug" in json.loads(rest[-2][6:])["error"]["message"]
+        p.front.proc.join(timeout=10)
+        assert not p.front.proc.is_alive()
+        assert httpx.get(f"{p.base}/health", timeout=10).status_code == 503
