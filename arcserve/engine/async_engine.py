@@ -16,10 +16,14 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from arcserve.engine.engine import LLMEngine
 from arcserve.outputs import RequestOutput
 from arcserve.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from arcserve.engine.output_processor import RequestGroup
 
 logger = logging.getLogger("arcserve")
 
@@ -113,7 +117,8 @@ class AsyncLLM:
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> (its caller's event loop, its output queue, the prepared request)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputQueue, RequestGroup]] = {}
         self._pending = 0  # sequences (n per request) handed over but not yet seen by the engine
         self._lock = threading.Lock()
         self._stop = False
@@ -141,8 +146,7 @@ class AsyncLLM:
 
     def add_requests(self, items: list[tuple], priority: int = 0, stream: bool = True) -> list[RequestStream]:
         """(prompt, params, request_id) items, all validated before any is queued: all or nothing."""
-        if self.dead is not None:
-            raise EngineDeadError(f"the engine stopped after an internal error: {self.dead!r}")
+        self._refuse_if_dead()
         if self.draining:
             raise ServerShuttingDown("the server is shutting down and takes no new requests")
         prepared = []
@@ -153,19 +157,22 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         streams = []
         with self._lock:  # (dead is set under this lock: a stream opened here is failed by _die, or never opened)
-            if self.dead is not None:
-                raise EngineDeadError(f"the engine stopped after an internal error: {self.dead!r}")
+            self._refuse_if_dead()
             dup = [g.request_id for g, _ in prepared if g.request_id in self._streams]
             if dup:
                 raise ValueError(f"request_id {dup[0]!r} is already in use")
             for group, _ in prepared:
                 q = OutputQueue(deltas=stream)
-                self._streams[group.request_id] = (loop, q)
+                self._streams[group.request_id] = (loop, q, group)
                 streams.append(RequestStream(self, group.request_id, q))
             self._pending += sum(g.params.n for g, _ in prepared)
         for p in prepared:
             self._submit("add", p)
         return streams
+
+    def _refuse_if_dead(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped after an internal error: {self.dead!r}")
 
     def _check_capacity(self, new_seqs: int) -> None:
         """503 when, with the new sequences, more than max_waiting_requests would wait. Requests the
@@ -230,13 +237,17 @@ class AsyncLLM:
 
     def _deliver_all(self, items: list[tuple[str, object]]) -> None:
         """(request id, output or error) pairs to their streams: one wake-up of each event loop for
-        the lot (a wake-up writes to the loop's socket: once a step, not once a token)."""
+        the lot (a wake-up writes to the loop's socket: once a step, not once a token). Outputs that
+        come without their prompt (from the engine process) get it back from the request here."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
             for rid, item in items:
                 target = self._streams.get(rid)
                 if target is not None:
-                    by_loop.setdefault(target[0], []).append((target[1], item))
+                    loop, q, request = target
+                    if isinstance(item, RequestOutput) and item.prompt_token_ids is None:
+                        item.prompt, item.prompt_token_ids = request.prompt, request.prompt_token_ids
+                    by_loop.setdefault(loop, []).append((q, item))
         for loop, puts in by_loop.items():
             loop.call_soon_threadsafe(_put_all, puts)
 

@@ -98,7 +98,10 @@ def _serve_commands(engine, cmd_conn, out_conn) -> None:
                 out_conn.send(("outputs", [], figures(True), added))
             continue
         outs, failed, err = step_isolated(engine)
-        for out in outs:  # the server process has each prompt (it tokenized it): it restores them
+        # Without their prompts: the server process has them (it tokenized them; AsyncLLM._deliver_all
+        # puts them back). Pickled with every streamed token, a 1,024-token prompt cost ~47 us to
+        # unpickle there and ~22 us to pickle here per token.
+        for out in outs:
             out.prompt, out.prompt_token_ids = None, None
         out_conn.send(("outputs", outs, figures(bool(failed) or any(o.finished for o in outs)), added))
         if failed:
@@ -108,10 +111,6 @@ def _serve_commands(engine, cmd_conn, out_conn) -> None:
 class AsyncLLMProcess(AsyncLLM):
     def __init__(self, args: EngineArgs, max_waiting_requests: int | None = None, threads: int | None = None) -> None:
         super().__init__(EngineView(args), max_waiting_requests, start=False)
-        # request id -> (prompt, prompt token ids), from when the request is sent to when its stream
-        # closes. Outputs cross the pipe without them: a 1,024-token prompt pickled with every
-        # streamed token cost ~47 us to unpickle here (and ~22 us to pickle there) per token.
-        self._prompts: dict[str, tuple] = {}
         ctx = mp.get_context("spawn")
         cmd_parent, cmd_child = ctx.Pipe(duplex=False)[::-1]  # (send end, receive end) -> parent sends
         out_parent, out_child = ctx.Pipe(duplex=False)
@@ -148,8 +147,6 @@ class AsyncLLMProcess(AsyncLLM):
         return int(self.engine.snapshot.get("arcserve:num_requests_running", 0))
 
     def _submit(self, kind: str, arg) -> None:
-        if kind == "add":
-            self._prompts[arg[0].request_id] = (arg[0].prompt, arg[0].prompt_token_ids)
         try:
             with self._send_lock:  # the event loop and the shutdown timer both send
                 self._cmd.send((kind, arg))
@@ -186,18 +183,12 @@ class AsyncLLMProcess(AsyncLLM):
                 self.engine.snapshot = {**self.engine.snapshot, **snapshot}  # first: then the added ones
                 with self._lock:  # are counted there before they leave _pending (never in neither)
                     self._pending -= added
-                for out in outs:
-                    out.prompt, out.prompt_token_ids = self._prompts.get(out.request_id, (None, []))
                 self._deliver_all([(out.request_id, out) for out in outs])
             elif kind == "error":
                 self._deliver(msg[1], ValueError(msg[2]))
             elif kind == "failed":
                 for rid in msg[1]:
                     self._deliver(rid, RequestFailed(msg[2]))
-
-    def _release(self, request_id: str, finished: bool) -> None:
-        self._prompts.pop(request_id, None)
-        super()._release(request_id, finished)
 
     def shutdown(self) -> None:
         self._stop = True
