@@ -3,7 +3,6 @@ from the engine side reach the client as 400s, startup errors reach the caller, 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -16,7 +15,10 @@ import pytest
 from arcserve import EngineArgs
 from arcserve.engine.core_process import AsyncLLMProcess
 
-from .helpers import MODEL, serve
+from .helpers import MODEL, serve, sse_data, sse_lines
+
+# A request that is still generating when the tests below break the engine under it.
+LONG = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
 
 
 def test_same_answers_as_in_process(server, llama_dir):
@@ -68,10 +70,7 @@ def test_outputs_cross_the_pipe_without_prompts(server, llama_dir):
     def events(r: httpx.Response) -> tuple:  # per choice: its chunks joined (chunking varies with timing)
         choices: dict[int, dict] = {}
         usage = None
-        for line in r.text.splitlines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
+        for ev in sse_data(r):
             usage = ev.get("usage") or usage
             for c in ev["choices"]:
                 acc = choices.setdefault(c["index"], {"text": "", "logprobs": defaultdict(list)})
@@ -85,42 +84,31 @@ def test_outputs_cross_the_pipe_without_prompts(server, llama_dir):
     def same(got: tuple, ref: tuple) -> bool:  # logprobs: one compute thread there, several here
         return got[0] == ref[0] and got[1] == pytest.approx(ref[1], abs=1e-4)
 
-    ref_whole, ref_stream = (
-        whole(server.post("/v1/completions", json=body)),
-        events(server.post("/v1/completions", json=streamed)),
-    )
-    assert ref_whole[0]["usage"]["prompt_tokens"] > 0 and ref_whole[0]["choices"][0]["text"].startswith(
-        "The quick"
-    )
+    ref_whole = whole(server.post("/v1/completions", json=body))
+    ref_stream = events(server.post("/v1/completions", json=streamed))
+    assert ref_whole[0]["usage"]["prompt_tokens"] > 0 and ref_whole[0]["choices"][0]["text"].startswith("The quick")
     with serve(llama_dir, process=True) as p:
         assert same(whole(p.post("/v1/completions", json=body)), ref_whole)
         assert same(events(p.post("/v1/completions", json=streamed)), ref_stream)
         with httpx.stream("POST", f"{p.base}/v1/completions", json={**streamed, "max_tokens": 200}) as r:
             next(r.iter_lines())  # leave after the first chunk: the request is abandoned
         p.wait_idle()
-        assert p.front._prompts == {}
+        assert p.front._streams == {}  # the registry that holds each open request's prompt
 
 
 def test_an_engine_process_killed_mid_stream_fails_open_streams_fast(llama_dir):
     """The engine process dies (killed, out of memory) while requests stream: each open stream ends
     at once with an error event and [DONE], a whole answer waiting gets a 500, /health turns 503,
     and new requests are refused with a clear error; the server process itself stays up."""
-    long = {
-        "model": MODEL,
-        "prompt": "The quick brown fox",
-        "max_tokens": 200,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
     with serve(llama_dir, process=True, max_model_len=256) as p:
         results: dict[str, object] = {}
 
         def whole():
-            results["whole"] = p.post("/v1/completions", json=long, timeout=30)
+            results["whole"] = p.post("/v1/completions", json=LONG, timeout=30)
 
         waiter = threading.Thread(target=whole)
         waiter.start()
-        with httpx.stream("POST", f"{p.base}/v1/completions", json={**long, "stream": True}, timeout=30) as r:
+        with httpx.stream("POST", f"{p.base}/v1/completions", json={**LONG, "stream": True}, timeout=30) as r:
             lines = r.iter_lines()
             first = next(x for x in lines if x)
             deadline = time.monotonic() + 20
@@ -129,32 +117,25 @@ def test_an_engine_process_killed_mid_stream_fails_open_streams_fast(llama_dir):
                 time.sleep(0.005)
             t0 = time.monotonic()
             os.kill(p.front.proc.pid, signal.SIGKILL)
-            rest = [x for x in lines if x]
+            rest = sse_lines(lines)  # (asserts that [DONE] came)
             ended = time.monotonic() - t0
         waiter.join(timeout=30)
-        assert first.startswith("data: ") and rest[-1] == "data: [DONE]", rest[-3:]
-        err = json.loads(rest[-2][6:])["error"]
+        assert first.startswith("data: ")
+        err = rest[-1]["error"]
         assert "engine stopped" in err["message"] and err["code"] == "internal_error", err
         assert ended < 5, ended  # the reader thread notices within its 0.5 s poll
         whole_r = results["whole"]
         assert whole_r.status_code == 500 and "engine stopped" in whole_r.json()["error"]["message"]
         assert httpx.get(f"{p.base}/health", timeout=10).status_code == 503
-        again = p.post("/v1/completions", json={**long, "max_tokens": 2})
+        again = p.post("/v1/completions", json={**LONG, "max_tokens": 2})
         assert again.status_code == 500 and "engine stopped" in again.json()["error"]["message"]
-        assert p.front._prompts == {}
+        assert p.front._streams == {}
 
 
 def test_a_failing_output_reader_fails_every_stream_and_stops_the_engine(llama_dir):
     """If the server's thread that reads the engine process's outputs fails (a bug there, not in
     the engine), every open stream gets the error at once and the engine process is stopped (left
     running, it would block writing outputs no one reads); the server answers 503 on /health."""
-    long = {
-        "model": MODEL,
-        "prompt": "The quick brown fox",
-        "max_tokens": 200,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
     with serve(llama_dir, process=True) as p:
         real = p.front._deliver_all
         broken = threading.Event()
@@ -166,12 +147,12 @@ def test_a_failing_output_reader_fails_every_stream_and_stops_the_engine(llama_d
             real(items)
 
         p.front._deliver_all = deliver_all
-        with httpx.stream("POST", f"{p.base}/v1/completions", json={**long, "stream": True}, timeout=30) as r:
+        with httpx.stream("POST", f"{p.base}/v1/completions", json={**LONG, "stream": True}, timeout=30) as r:
             lines = r.iter_lines()
             assert next(x for x in lines if x).startswith("data: ")
             broken.set()
-            rest = [x for x in lines if x]
-        assert rest[-1] == "data: [DONE]" and "reader bug" in json.loads(rest[-2][6:])["error"]["message"]
+            rest = sse_lines(lines)
+        assert "reader bug" in rest[-1]["error"]["message"]
         p.front.proc.join(timeout=10)
         assert not p.front.proc.is_alive()
         assert httpx.get(f"{p.base}/health", timeout=10).status_code == 503

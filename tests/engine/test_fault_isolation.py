@@ -58,9 +58,7 @@ def test_a_failing_step_fails_only_its_requests(llama_dir, monkeypatch, overlap)
             break
     assert sorted(failed) == ["a", "f"]  # "a" shared the step with "f"
     assert len(errors) == 1 and "injected fault" in str(errors[0])
-    assert {rid: o.outputs[0].token_ids for rid, o in finished.items()} == {
-        k: expected[k] for k in ("w1", "w2")
-    }
+    assert {rid: o.outputs[0].token_ids for rid, o in finished.items()} == {k: expected[k] for k in ("w1", "w2")}
     st = engine.scheduler.stats()
     assert (st.num_running, st.num_waiting, st.kv_cache_usage) == (0, 0, 0.0)
     # the engine serves on: the same request again gets its output
@@ -158,10 +156,7 @@ def test_a_fault_that_outlives_its_step_fails_everything_not_forever(llama_dir):
     real = engine.scheduler.schedule
 
     def broken():
-        if (
-            "poison" in engine.scheduler.requests
-            and engine.scheduler.requests["poison"] not in engine.scheduler.running
-        ):
+        if "poison" in engine.scheduler.requests and engine.scheduler.requests["poison"] not in engine.scheduler.running:
             raise RuntimeError("scheduler bug on poison")
         return real()
 
@@ -197,9 +192,7 @@ def test_an_engine_process_that_dies_while_starting_is_reported(llama_dir):
 
     def start():
         try:
-            AsyncLLMProcess(
-                EngineArgs(model=str(llama_dir), dtype="float32", max_model_len=128, num_kv_blocks=16)
-            )
+            AsyncLLMProcess(EngineArgs(model=str(llama_dir), dtype="float32", max_model_len=128, num_kv_blocks=16))
             result["started"] = True
         except ValueError as e:
             result["error"] = str(e)
