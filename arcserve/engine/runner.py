@@ -112,17 +112,21 @@ def kv_cache_bytes_per_block(model: DecoderModel, block_size: int) -> int:
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * model.kv_cache_dtype.itemsize
 
 
-def _prefill_meta(lens: list[int], block_size: int, device: torch.device) -> AttentionMetadata:
-    """Metadata of fresh prefills of the given lengths over blocks 0, 1, 2, ... (profiling)."""
+def _scratch_meta(lens: list[int], block_size: int, device: torch.device,
+                  q_lens: list[int] | None = None) -> AttentionMetadata:  # fmt: skip
+    """Metadata of sequences of the given context lengths over blocks 0, 1, 2, ..., each computing
+    its last q_lens[i] positions (default: all of them, fresh prefills), for steps run outside the
+    scheduler (profiling, warm-up)."""
+    q_lens = lens if q_lens is None else q_lens
     nblk = [-(-n // block_size) for n in lens]
     tables = np.zeros((len(lens), max(nblk)), dtype=np.int64)
     first = np.cumsum([0] + nblk[:-1])
     for i, n in enumerate(nblk):
         tables[i, :n] = np.arange(first[i], first[i] + n)
-    qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
     seq_lens = np.array(lens, dtype=np.int64)
-    pos = np.concatenate([np.arange(n) for n in lens])
-    seq_of = np.repeat(np.arange(len(lens)), lens)
+    pos = np.concatenate([np.arange(n - q, n) for n, q in zip(lens, q_lens)])
+    seq_of = np.repeat(np.arange(len(lens)), q_lens)
     slots = tables[seq_of, pos // block_size] * block_size + pos % block_size
     return AttentionMetadata(
         query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
@@ -149,7 +153,7 @@ def profile_peak_activations(model: DecoderModel, num_tokens: int, max_model_len
     kv = torch.zeros(cfg.num_layers, 2, nb, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=model.kv_cache_dtype,
                      device=dev)  # fmt: skip
     kv_bytes = kv.numel() * kv.element_size()
-    meta = _prefill_meta(lens, block_size, dev)
+    meta = _scratch_meta(lens, block_size, dev)
     ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=dev)
     positions = torch.cat([torch.arange(n, device=dev) for n in lens])
     hidden = model.forward(ids, positions, meta, [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_layers)])
@@ -266,6 +270,32 @@ class ModelRunner:
         self.graphs = StepGraphs(self.model, self.kv_caches, self.block_size, self.max_model_len,
                                  self.max_num_seqs, max_num_batched_tokens)  # fmt: skip
         return self.graphs.capture()
+
+    def warm_up_lengths(self) -> tuple[int, ...]:
+        """Context lengths of the one-token steps warm_up runs (ops.warm_up_lengths: on CPUs that
+        emulate half products, one per compiled attention width and one past them; else none)."""
+        return self.model.ops.warm_up_lengths(self.model.dtype, self.max_model_len)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run a one-token step at each of warm_up_lengths, so that their kernels compile now rather
+        than while a request waits. At startup only (it reads blocks 0, 1, ... as a sequence's
+        context, which no request holds yet); what the steps write into the paged cache and the
+        decode mirror is zeroed after, and the mirror's row dropped."""
+        mirror = self.decode_mirror
+        for n in self.warm_up_lengths():
+            meta = _scratch_meta([n], self.block_size, self.device, q_lens=[1])
+            meta.host.update(seq_ids=np.array([-1]), decode_mirror=mirror, kv_cache=self.kv)
+            ids = torch.zeros(1, dtype=torch.long, device=self.device)
+            positions = torch.tensor([n - 1], device=self.device)
+            self._logits(self.model.forward(ids, positions, meta, self.kv_caches), None, 1)
+            block, offset = divmod(int(meta.slot_mapping[0]), self.block_size)
+            self.kv[:, :, block, offset] = 0
+            if mirror is not None and mirror.k is not None:
+                mirror.k[:, 0, :, :n] = 0
+                mirror.v[:, 0, :, :n] = 0
+        if mirror is not None:
+            mirror.reset()
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()

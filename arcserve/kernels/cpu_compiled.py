@@ -17,7 +17,8 @@ runs both through generic paths (measured on a 2-vCPU AVX2 AMD EPYC, docs/BENCHM
   pre_attention, post_attention) runs as one compiled call with its products. The per-group
   kernels below serve the final norm, the LM head, and layers whose weights have no rows16 copy;
 - a single sequence's attention over its float32 decode-mirror row (decode_attention) costs SDPA's
-  fixed ~60-90 us a call at any short context; one compiled graph per length bucket replaces it.
+  fixed ~60-90 us a call at any short context; one compiled graph replaces it, the positions it
+  reads a symbolic size, so the same kernel serves every context length.
 
 Rounding: the small-op groups are compiled with inductor's `emulate_precision_casts`, so they round
 where eager PyTorch rounds (the same bits as reference.py's ops); products accumulate in float32 and
@@ -26,9 +27,9 @@ sums in float32 and rounds once, as SDPA over the float32 mirror does (its order
 
 Graphs are traced with make_fx and compiled by inductor's compile_fx directly: torch.compile's frame
 guards cost ~100 us per call here, more than these kernels (and compile_fx's own wrappers ~12 us,
-see _direct). Each shape compiles once per process
-(measured with inductor's disk cache warm: the first one-token step of a process took 6.4-8.0 s
-against 0.4 s eager). If compiling fails (no C++ compiler, an inductor change), the compiled path
+see _direct). Each shape compiles once per process, and the engine compiles them all at startup
+(ModelRunner.warm_up: one one-token step; on a 2-vCPU AVX2 EPYC, SmolLM2-135M, ~43 s with an empty
+inductor cache, ~10 s with it warm, most of that importing inductor). If compiling fails (no C++ compiler, an inductor change), the compiled path
 turns itself off with a warning and the eager ops run. `enforce_eager=True` (`--enforce-eager`)
 keeps the eager ops from the start.
 """
@@ -67,33 +68,54 @@ def _run(fn: Callable, args: tuple, layout: tuple = (), **static):
     return None if got is None else got(*args)
 
 
-def _kernel(fn: Callable, args: tuple, layout: tuple = (), **static) -> Callable | None:
+def _kernel(fn: Callable, args: tuple, layout: tuple = (), dynamic: int | None = None, **static) -> Callable | None:
     """The compiled kernel of fn(*args, **static), compiled on first use for these shapes,
     dtype and static values; None when compiling fails. The key
     leaves strides out (a few us per call on the per-token path): every call site passes the same
     layout for the same shapes (contiguous activations and weights, rope_cos_sin's views), and the
     compiled code asserts it; a call site whose strides vary for the same shapes names them in
-    `layout`."""
-    key = (fn, args[0].dtype, *[a.shape for a in args], *static.values(), *layout)
+    `layout`. dynamic: the index of an argument whose first dimension the kernel takes at any size
+    (one kernel for all; left out of the key)."""
+    key = (fn, args[0].dtype, *[a.shape if i != dynamic else None for i, a in enumerate(args)], *static.values(), *layout)
     got = _compiled.get(key)
     if got is None:
         if _failed:
             return None
         try:
-            import torch._inductor.inductor_prims  # noqa: F401 (registers prims.inductor_force_stride_order)
-            from torch._inductor import config as inductor_config
-            from torch._inductor.compile_fx import compile_fx
-            from torch.fx.experimental.proxy_tensor import make_fx
-
-            if not _compiled:
-                log.info("compiling the CPU decode kernels (at the first one-token step of the process)")
-            with inductor_config.patch(emulate_precision_casts=True):
-                got = _compiled[key] = _direct(compile_fx(make_fx(functools.partial(fn, **static))(*args), list(args)), args)
+            got = _compiled[key] = _direct(_compile(functools.partial(fn, **static), args, dynamic), args)
         except Exception as e:  # noqa: BLE001 (any compiler failure: fall back to the eager ops)
             _failed.append(f"{type(e).__name__}: {e}")
             log.warning("compiling a CPU decode kernel failed (%s); running the eager ops instead", _failed[0][:300])
             return None
     return got
+
+
+def _compile(fn: Callable, args: tuple, dynamic: int | None) -> Callable:
+    """fn traced (make_fx) over fake copies of args, args[dynamic]'s first dimension symbolic, and
+    compiled by inductor. The tracing context's shape environment lets inductor's graph cache
+    (on disk, across processes) take the graphs: without one it bypassed them and every process
+    generated each kernel's code anew (~2.5 s a whole-layer graph on a 2-vCPU AVX2 EPYC)."""
+    import torch._inductor.inductor_prims  # noqa: F401 (registers prims.inductor_force_stride_order)
+    from torch._guards import TracingContext, tracing
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+
+    def fake(i: int, a: torch.Tensor) -> torch.Tensor:
+        if i != dynamic:
+            return fake_mode.from_tensor(a)
+        sizes = [DimDynamic.DYNAMIC] + [DimDynamic.STATIC] * (a.dim() - 1)
+        return fake_mode.from_tensor(a, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
+
+    fakes = [fake(i, a) for i, a in enumerate(args)]
+    with fake_mode:
+        gm = make_fx(fn)(*fakes)
+    with inductor_config.patch(emulate_precision_casts=True), tracing(TracingContext(fake_mode)):
+        return compile_fx(gm, fakes)
 
 
 def _direct(wrapped: Callable, args: tuple) -> Callable:
@@ -269,20 +291,15 @@ def post_attention(ops, attn, residual, lw, eps):
     return blocks.post_attention(ops, attn, residual, lw, eps)
 
 
-# Context lengths of the compiled one-token attention: a graph per bucket (each compiled at its
-# first use in a process), the positions past the length masked. Longer contexts run SDPA, whose
-# fixed cost (~60-90 us a call here) matters less there.
-ATTENTION_BUCKETS = (128, 256, 512, 1024)
-
-
 def _attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, layer: torch.Tensor, length: torch.Tensor,
-            *new: torch.Tensor, width: int, scale: float) -> torch.Tensor:  # fmt: skip
+            span: torch.Tensor, *new: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
     """q [1, heads, hd] over the first `length` positions of row 0 of layer `layer` (a 1-element
-    index) of K, V [layers, rows, kv heads, capacity, hd] (float32), `width` positions read, query
-    heads grouped on their KV head as SDPA's GQA does; the result in q's dtype. `new`, when given,
-    is the step's k and v ([1, kv heads, hd]): they stand in for position length - 1 (the row
-    holds them only after the step, cpu_layer.py)."""
-    kvh, hd = K.shape[2], K.shape[4]
+    index) of K, V [layers, rows, kv heads, capacity, hd] (float32), span.shape[0] positions read
+    (compiled with that size symbolic: one kernel for every context), query heads grouped on their
+    KV head as SDPA's GQA does; the result in q's dtype. `new`, when given, is the step's k and v
+    ([1, kv heads, hd]): they stand in for position length - 1 (the row holds them only after the
+    step, cpu_layer.py)."""
+    kvh, hd, width = K.shape[2], K.shape[4], span.shape[0]
     k, v = K[layer][0, 0, :, :width], V[layer][0, 0, :, :width]  # [kvh, width, hd]
     pos = torch.arange(width)
     if new:
@@ -296,27 +313,44 @@ def _attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, layer: torch.Tens
     return o.reshape(1, -1, hd).to(q.dtype)
 
 
+SPAN_STEP = 16  # the one-row attention reads the context rounded up to this many positions
+
+
 class OneRowAttention:
     """A step's attention for one decoding sequence over the first `length` positions of row 0 of
     the float32 KV buffers K, V [layers, rows, kv heads, capacity, hd] (cpu_attention.DecodeMirror's),
-    read `width` positions wide (the length's bucket): `self(q, layer)` runs it as one compiled call
+    read over the length rounded up to SPAN_STEP (`span`'s size: the kernels take it as a symbolic
+    size, so one kernel serves every context): `self(q, layer)` runs it as one compiled call
     (q [1, heads, hd]; layer a 1-element int64 tensor, picked inside the graph so the caller makes
     no views per layer), or returns None if the kernel fails to compile. cpu_layer.py compiles the
     same attention into a whole layer's graph from these fields."""
 
-    def __init__(self, K: torch.Tensor, V: torch.Tensor, length: int, width: int, scale: float) -> None:
-        self.K, self.V, self.width, self.scale = K, V, width, scale
+    def __init__(self, K: torch.Tensor, V: torch.Tensor, length: int, scale: float) -> None:
+        self.K, self.V, self.scale = K, V, scale
         self.length = torch.tensor(length)
+        self.span = torch.empty(min(-(-length // SPAN_STEP) * SPAN_STEP, K.shape[3]), dtype=torch.uint8)
         self.layout = (K.stride(), V.stride())  # the kernels' key: the buffers' strides change as the mirror grows
         self._kernel: Callable | None = None
 
     def __call__(self, q: torch.Tensor, layer: torch.Tensor) -> torch.Tensor | None:
-        args = (q, self.K, self.V, layer, self.length)
+        args = (q, self.K, self.V, layer, self.length, self.span)
         if self._kernel is None:  # looked up at the step's first layer
-            self._kernel = _kernel(_attend, args, self.layout, width=self.width, scale=self.scale)
+            self._kernel = _kernel(_attend, args, self.layout, dynamic=5, scale=self.scale)
             if self._kernel is None:
                 return None
         return self._kernel(*args)
+
+
+def warm_up_lengths(dtype: torch.dtype, max_model_len: int) -> tuple[int, ...]:
+    """Context lengths of one-token steps that between them compile the one-token kernels a model
+    in `dtype` uses: one step (the kernels take any context), or () where the compiled path does
+    not apply. The engine runs it at startup (ModelRunner.warm_up): compiled at their first use
+    instead, the first lone decoding sequence of a process waited for them (measured on a 2-vCPU
+    AVX2 EPYC, SmolLM2-135M: 6-16 s, and 2.5-12 s more at each longer context bucket of the kernels
+    before they took any length)."""
+    if _failed or not _emulated(dtype):
+        return ()
+    return (min(SPAN_STEP, max_model_len),)
 
 
 def decode_attention(K: torch.Tensor, V: torch.Tensor, length: int, dtype: torch.dtype,
@@ -324,11 +358,7 @@ def decode_attention(K: torch.Tensor, V: torch.Tensor, length: int, dtype: torch
     """For a step decoding one sequence over the first `length` positions of row 0 of the float32
     KV buffers K, V (cpu_attention.DecodeMirror's), queries in `dtype`: the step's attention
     (OneRowAttention), decided here once per step, in place of SDPA. None where it does not apply
-    (the caller runs SDPA): not a half model on a CPU that emulates half products, or a context
-    past the largest bucket."""
+    (the caller runs SDPA): not a half model on a CPU that emulates half products."""
     if _failed or not _emulated(dtype) or K.dtype != torch.float32:
         return None
-    width = next((b for b in ATTENTION_BUCKETS if b >= length), None)
-    if width is None or width > K.shape[3]:
-        return None
-    return OneRowAttention(K, V, length, width, scale)
+    return OneRowAttention(K, V, length, scale)

@@ -12,7 +12,7 @@ buffer writes all layers' K/V into the decode mirror's row and the paged cache.
 
 The paged cache stays the source of truth: it holds the step's tokens when the step ends, as on
 every other path. Applies when the step's attention plan (cpu_attention._plan) has a one-row
-kernel (one sequence, context within cpu_compiled.ATTENTION_BUCKETS, no sliding window), the cache
+kernel (one sequence, no sliding window), the cache
 keeps the model's dtype (an 8-bit cache rounds K/V first: the layer-by-layer path) and each layer
 has its products' tiled weights; otherwise, or if a layer's compile fails, the layers run through
 blocks.decoder_layer (the layers already run keep their K/V: they are written first).
@@ -30,16 +30,16 @@ from arcserve.kernels.blocks import LayerDims
 
 def _layer(x: torch.Tensor, *t: torch.Tensor, first: bool, qkv_bias: bool, qk_norm: bool,
            post_biases: tuple[bool, bool, bool], num_q: int, num_kv: int, head_dim: int, eps: float,
-           width: int, scale: float) -> tuple:  # fmt: skip
+           scale: float) -> tuple:  # fmt: skip
     """One decoder layer for one token: t is cpu_compiled._pre's tensors, then the mirror's K, V,
-    the layer's index and the context length (cpu_compiled._attend's), then cpu_compiled._post's
-    weights. Returns the layer's output, the new residual, the token's k and v, and q."""
+    the layer's index, the context length and the span read (cpu_compiled._attend's), then
+    cpu_compiled._post's weights. Returns the layer's output, the new residual, the token's k and v, and q."""
     n_pre = (0 if first else 1) + 2 + qkv_bias + 2 * qk_norm + 4
     q, k, v, residual = cpu_compiled._pre(x, *t[:n_pre], first=first, qkv_bias=qkv_bias, qk_norm=qk_norm,
                                           num_q=num_q, num_kv=num_kv, head_dim=head_dim, eps=eps)  # fmt: skip
-    K, V, layer, length = t[n_pre : n_pre + 4]
-    attn = cpu_compiled._attend(q, K, V, layer, length, k, v, width=width, scale=scale)
-    out, residual = cpu_compiled._post(attn.view(1, -1), residual, *t[n_pre + 4 :], biases=post_biases, eps=eps)
+    K, V, layer, length, span = t[n_pre : n_pre + 5]
+    attn = cpu_compiled._attend(q, K, V, layer, length, span, k, v, scale=scale)
+    out, residual = cpu_compiled._post(attn.view(1, -1), residual, *t[n_pre + 5 :], biases=post_biases, eps=eps)
     # q is an output only so that inductor stores it once: otherwise its RoPE is recomputed at every
     # position the attention reads (measured ~100 us a layer more than the three calls it replaces)
     return out, residual, k, v, q
@@ -114,12 +114,12 @@ def _run(step: _Step, x, residual, lw, layer: int, dims: LayerDims, rope: tuple,
     a = step.attention
     pre, static = cpu_compiled.pre_args(x, residual, lw, rope)
     post, biases = cpu_compiled.post_weights(lw)
-    args = (*pre, a.K, a.V, step.mirror.layer_index[layer], a.length, *post)
+    args = (*pre, a.K, a.V, step.mirror.layer_index[layer], a.length, a.span, *post)
     kernel = step.kernels.get(static["first"])
     if kernel is None:  # looked up once per step for the first layer and once for the others
         kernel = cpu_compiled._kernel(
-            _layer, args, a.layout, **static, post_biases=biases, num_q=dims.num_q, num_kv=dims.num_kv,
-            head_dim=dims.head_dim, eps=dims.eps, width=a.width, scale=a.scale,
+            _layer, args, a.layout, dynamic=len(pre) + 4, **static, post_biases=biases, num_q=dims.num_q,
+            num_kv=dims.num_kv, head_dim=dims.head_dim, eps=dims.eps, scale=a.scale,
         )  # fmt: skip
         if kernel is None:
             return None

@@ -13,6 +13,7 @@ from test_cpu_compiled import HAVE_CXX, compiled_keys, emulated_half  # noqa: F4
 from tiny_models import make_model_dir
 
 from arcserve import LLM, SamplingParams
+from arcserve.engine.runner import ModelRunner
 from arcserve.kernels import cpu_compiled, cpu_layer, reference
 
 LAYERS = 3
@@ -25,29 +26,39 @@ def three_layer_dirs(tmp_path_factory):
 
 
 class Counts:
-    """Calls of the whole-layer kernel (that returned a result) and of the per-layer paged-cache store."""
+    """Calls of the whole-layer kernel (that returned a result) and of the per-layer paged-cache
+    store, in the requests' steps (the engine's warm-up step at startup not counted)."""
 
     def __init__(self, monkeypatch) -> None:
         self.layers = self.stores = 0
-        run, store = cpu_layer._run, reference.store_kv
+        self.warming = False
+        run, store, warm_up = cpu_layer._run, reference.store_kv, ModelRunner.warm_up
 
         def counted_run(*args):
             got = run(*args)
-            self.layers += got is not None
+            self.layers += got is not None and not self.warming
             return got
 
         def counted_store(*args):
-            self.stores += 1
+            self.stores += not self.warming
             return store(*args)
+
+        def flagged_warm_up(runner):
+            self.warming = True
+            try:
+                warm_up(runner)
+            finally:
+                self.warming = False
 
         monkeypatch.setattr(cpu_layer, "_run", counted_run)
         monkeypatch.setattr(reference, "store_kv", counted_store)
+        monkeypatch.setattr(ModelRunner, "warm_up", flagged_warm_up)
 
 
 def decode(model_dir, whole_layer: bool, prompt: int = 55) -> dict:
     """Two requests (`prompt` and 9 prompt tokens) decoding 100 and 12 greedy tokens with logprobs:
-    the long one decodes alone after the short one finishes (past the 128-position attention
-    bucket with the default prompt)."""
+    the long one decodes alone after the short one finishes (to 154 positions with the default
+    prompt: the one-row attention's span grows with it)."""
     with pytest.MonkeyPatch.context() as m:
         if not whole_layer:
             m.setattr(cpu_layer, "_start", lambda *args: None)
@@ -76,7 +87,7 @@ BOTH = 1 + 11
 ALONE = 100 - BOTH
 
 
-# plain (across two attention buckets), qkv bias + tied head, q/k norms (one bucket: fewer compiles)
+# plain (the longer prompt), qkv bias + tied head, q/k norms
 @pytest.mark.parametrize("arch,prompt", [("llama", 55), ("qwen2", 10), ("qwen3", 10)])
 def test_whole_layer_steps_give_the_layer_by_layer_bits(three_layer_dirs, arch, prompt, monkeypatch):
     want = decode(three_layer_dirs[arch], False, prompt)
@@ -90,6 +101,30 @@ def test_whole_layer_steps_give_the_layer_by_layer_bits(three_layer_dirs, arch, 
         # no per-layer store on those steps: only the prefill steps' and the two-sequence steps'
         assert counts.stores == BOTH * LAYERS
     assert sum(want["kv"].flatten() != 0) > 0  # (the caches compared hold something)
+
+
+def test_the_one_token_kernels_compile_at_startup(three_layer_dirs, monkeypatch):
+    """The engine runs a one-token step at startup (ModelRunner.warm_up): a request that then
+    decodes alone, its context growing from 10 to 110 positions, compiles nothing more; and the
+    warm-up leaves nothing behind: the tokens, logprobs and both caches of an engine that skipped
+    it."""
+    monkeypatch.setattr(cpu_compiled, "_compiled", {})  # (not the kernels earlier tests compiled)
+    model_dir = three_layer_dirs["qwen3"]
+    llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=256, seed=0, num_kv_blocks=64, max_num_seqs=4)
+    kernels = set(cpu_compiled._compiled)
+    runner = llm.llm_engine.runner
+    assert not runner.kv.any() and not runner.decode_mirror.ids  # the warm-up's K/V zeroed, its row dropped
+    assert not any(a.any() for a in runner.decode_mirror.arena)
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    llm.generate({"prompt_token_ids": list(range(5, 15))}, params, use_tqdm=False)
+    if HAVE_CXX:
+        assert compiled_keys(cpu_layer._layer) == 2  # the first layer's graph and the others'
+        assert set(cpu_compiled._compiled) == kernels
+    else:
+        assert not cpu_compiled._compiled and cpu_compiled._failed
+    want = decode(model_dir, True, prompt=10)
+    monkeypatch.setattr(ModelRunner, "warm_up", lambda runner: None)
+    assert_same(decode(model_dir, True, prompt=10), want)
 
 
 @pytest.mark.parametrize("why", ["weights", "compile"])
