@@ -61,22 +61,24 @@ def _one_token(x: torch.Tensor) -> bool:
     return x.shape[0] == 1 and not _failed and _emulated(x.dtype)
 
 
-def _run(fn: Callable, args: tuple, layout: tuple = (), **static):
+def _run(fn: Callable, args: tuple, **static):
     """fn(*args, **static) through its compiled kernel (_kernel); None when compiling fails (the
     caller runs the eager ops)."""
-    got = _kernel(fn, args, layout, **static)
+    got = _kernel(fn, args, **static)
     return None if got is None else got(*args)
 
 
-def _kernel(fn: Callable, args: tuple, layout: tuple = (), dynamic: int | None = None, **static) -> Callable | None:
+def _kernel(fn: Callable, args: tuple, dynamic: dict[int, tuple[int, ...]] | None = None, **static) -> Callable | None:
     """The compiled kernel of fn(*args, **static), compiled on first use for these shapes,
-    dtype and static values; None when compiling fails. The key
-    leaves strides out (a few us per call on the per-token path): every call site passes the same
-    layout for the same shapes (contiguous activations and weights, rope_cos_sin's views), and the
-    compiled code asserts it; a call site whose strides vary for the same shapes names them in
-    `layout`. dynamic: the index of an argument whose first dimension the kernel takes at any size
-    (one kernel for all; left out of the key)."""
-    key = (fn, args[0].dtype, *[a.shape if i != dynamic else None for i, a in enumerate(args)], *static.values(), *layout)
+    dtype and static values; None when compiling fails. dynamic: {argument index: its dimensions
+    that the kernel takes at any size from 2 up}, left out of the key (one kernel for all those
+    sizes; a size of 1 gets a kernel of its own, as tracing specializes it). The
+    key leaves strides out (a few us per call on the per-token path): every call site passes the
+    same layout for the same shapes (contiguous tensors, rope_cos_sin's views), and the compiled
+    code asserts it."""
+    dynamic = dynamic or {}
+    key = (fn, args[0].dtype, *static.values(),
+           *[tuple(None if n > 1 and d in dynamic.get(i, ()) else n for d, n in enumerate(a.shape)) for i, a in enumerate(args)])  # fmt: skip
     got = _compiled.get(key)
     if got is None:
         if _failed:
@@ -90,8 +92,8 @@ def _kernel(fn: Callable, args: tuple, layout: tuple = (), dynamic: int | None =
     return got
 
 
-def _compile(fn: Callable, args: tuple, dynamic: int | None) -> Callable:
-    """fn traced (make_fx) over fake copies of args, args[dynamic]'s first dimension symbolic, and
+def _compile(fn: Callable, args: tuple, dynamic: dict[int, tuple[int, ...]]) -> Callable:
+    """fn traced (make_fx) over fake copies of args, the dimensions `dynamic` names symbolic, and
     compiled by inductor. The tracing context's shape environment lets inductor's graph cache
     (on disk, across processes) take the graphs: without one it bypassed them and every process
     generated each kernel's code anew (~2.5 s a whole-layer graph on a 2-vCPU AVX2 EPYC)."""
@@ -106,9 +108,9 @@ def _compile(fn: Callable, args: tuple, dynamic: int | None) -> Callable:
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
 
     def fake(i: int, a: torch.Tensor) -> torch.Tensor:
-        if i != dynamic:
+        if i not in dynamic:
             return fake_mode.from_tensor(a)
-        sizes = [DimDynamic.DYNAMIC] + [DimDynamic.STATIC] * (a.dim() - 1)
+        sizes = [DimDynamic.DYNAMIC if d in dynamic[i] else DimDynamic.STATIC for d in range(a.dim())]
         return fake_mode.from_tensor(a, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
 
     fakes = [fake(i, a) for i, a in enumerate(args)]
@@ -329,13 +331,15 @@ class OneRowAttention:
         self.K, self.V, self.scale = K, V, scale
         self.length = torch.tensor(length)
         self.span = torch.empty(min(-(-length // SPAN_STEP) * SPAN_STEP, K.shape[3]), dtype=torch.uint8)
-        self.layout = (K.stride(), V.stride())  # the kernels' key: the buffers' strides change as the mirror grows
         self._kernel: Callable | None = None
+
+    # K and V's rows and capacity (the mirror's layout changes as it grows), and the span: symbolic
+    DYNAMIC = {1: (1, 3), 2: (1, 3), 5: (0,)}
 
     def __call__(self, q: torch.Tensor, layer: torch.Tensor) -> torch.Tensor | None:
         args = (q, self.K, self.V, layer, self.length, self.span)
         if self._kernel is None:  # looked up at the step's first layer
-            self._kernel = _kernel(_attend, args, self.layout, dynamic=5, scale=self.scale)
+            self._kernel = _kernel(_attend, args, self.DYNAMIC, scale=self.scale)
             if self._kernel is None:
                 return None
         return self._kernel(*args)

@@ -118,7 +118,7 @@ def _run(step: _Step, x, residual, lw, layer: int, dims: LayerDims, rope: tuple,
     kernel = step.kernels.get(static["first"])
     if kernel is None:  # looked up once per step for the first layer and once for the others
         kernel = cpu_compiled._kernel(
-            _layer, args, a.layout, dynamic=len(pre) + 4, **static, post_biases=biases, num_q=dims.num_q,
+            _layer, args, {len(pre) + i - 1: d for i, d in a.DYNAMIC.items()}, **static, post_biases=biases, num_q=dims.num_q,
             num_kv=dims.num_kv, head_dim=dims.head_dim, eps=dims.eps, scale=a.scale,
         )  # fmt: skip
         if kernel is None:

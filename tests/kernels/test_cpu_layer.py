@@ -105,9 +105,10 @@ def test_whole_layer_steps_give_the_layer_by_layer_bits(three_layer_dirs, arch, 
 
 def test_the_one_token_kernels_compile_at_startup(three_layer_dirs, monkeypatch):
     """The engine runs a one-token step at startup (ModelRunner.warm_up): a request that then
-    decodes alone, its context growing from 10 to 110 positions, compiles nothing more; and the
-    warm-up leaves nothing behind: the tokens, logprobs and both caches of an engine that skipped
-    it."""
+    decodes alone, its context growing from 10 to 110 positions, compiles nothing more, nor does
+    one decoding alone after four sequences made the decode mirror grow into another layout; and
+    the warm-up leaves nothing behind: the tokens, logprobs and both caches of an engine that
+    skipped it."""
     monkeypatch.setattr(cpu_compiled, "_compiled", {})  # (not the kernels earlier tests compiled)
     model_dir = three_layer_dirs["qwen3"]
     llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=256, seed=0, num_kv_blocks=64, max_num_seqs=4)
@@ -117,6 +118,10 @@ def test_the_one_token_kernels_compile_at_startup(three_layer_dirs, monkeypatch)
     assert not any(a.any() for a in runner.decode_mirror.arena)
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     llm.generate({"prompt_token_ids": list(range(5, 15))}, params, use_tqdm=False)
+    layout = runner.decode_mirror.k.shape  # (its budget, the paged cache's 1,024 tokens: 2 rows of 256)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 30, 40, 90)]
+    llm.generate([{"prompt_token_ids": list(range(5 + i, 15 + i))} for i in range(4)], params, use_tqdm=False)
+    assert runner.decode_mirror.k.shape != layout  # 4 rows: it grew (the last request then decoded alone)
     if HAVE_CXX:
         assert compiled_keys(cpu_layer._layer) == 2  # the first layer's graph and the others'
         assert set(cpu_compiled._compiled) == kernels
@@ -145,8 +150,8 @@ def test_a_layer_that_cannot_hands_the_step_to_the_layer_by_layer_path(three_lay
         monkeypatch.setattr(LLM, "__init__", without_tiles)
     else:
         kernel = cpu_compiled._kernel
-        monkeypatch.setattr(cpu_compiled, "_kernel", lambda fn, args, layout=(), **static: (
-            None if fn is cpu_layer._layer and not static["first"] else kernel(fn, args, layout, **static)))  # fmt: skip
+        monkeypatch.setattr(cpu_compiled, "_kernel", lambda fn, args, dynamic=None, **static: (
+            None if fn is cpu_layer._layer and not static["first"] else kernel(fn, args, dynamic, **static)))  # fmt: skip
     got = decode(model_dir, True)
     assert_same(got, want)
     if HAVE_CXX:
