@@ -35,7 +35,7 @@ def main() -> None:
     rng = random.Random(0)
     prompt = {"prompt_token_ids": [rng.randrange(100, llm.get_tokenizer().vocab_size - 100) for _ in range(32)]}
     greedy = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
-    for on in (True, False):  # warm-up: compiles every bucket the run reaches
+    for on in (True, False):  # warm-up (the engine compiled its kernels at startup; this warms the caches)
         compiled["on"] = on
         llm.generate(prompt, greedy, use_tqdm=False)
     took: dict[bool, list[float]] = {True: [], False: []}

@@ -44,7 +44,7 @@ def main() -> None:
                                                     max_len=nb * bs, prefault=True) for name in paths}  # fmt: skip
         took, outs = dict.fromkeys(paths, 0.0), {}
         # Steps alternate between the paths (this VM's speed drifts); the first step, untimed, fills
-        # the rows; a pass before the timed ones compiles every bucket the lengths reach.
+        # the rows; a pass before the timed ones compiles the kernels the layouts need.
         for timed in (False, True):
             for m in mirrors.values():
                 m.reset()

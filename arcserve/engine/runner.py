@@ -273,7 +273,7 @@ class ModelRunner:
 
     def warm_up_lengths(self) -> tuple[int, ...]:
         """Context lengths of the one-token steps warm_up runs (ops.warm_up_lengths: on CPUs that
-        emulate half products, one per compiled attention width and one past them; else none)."""
+        emulate half products, one step, whose kernels take any context; else none)."""
         return self.model.ops.warm_up_lengths(self.model.dtype, self.max_model_len)
 
     @torch.inference_mode()

@@ -127,9 +127,13 @@ class DecodeMirror:
         written now. The engine prefaults the mirror at startup out of the KV cache's memory budget
         (as it does the paged cache): on the 2-vCPU VMs measured here, a page touched for the first
         time costs ~2-5 ms per MB, and the 64-request benchmark's mirror touched ~860 MB mid-run
-        (248,605 page faults in the run before, 34,810 after; the run +4%)."""
+        (248,605 page faults in the run before, 34,810 after; the run +4%).
+
+        Each layer gets one element more than max_bytes allows the layouts, so that every layout is
+        a view of the start of its layer's storage, never all of it: the compiled one-row kernels
+        (cpu_compiled._shape_key) then take every layout with one kernel."""
         L, size = self.shape[0], self.dtype.itemsize
-        n = self.max_bytes // (2 * L * size)
+        n = self.max_bytes // (2 * L * size) + 1
         if prefault:
             return torch.zeros(L, n, dtype=self.dtype), torch.zeros(L, n, dtype=self.dtype)
         buf = mmap.mmap(-1, max(1, 2 * L * n) * size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

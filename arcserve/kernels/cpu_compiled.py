@@ -27,11 +27,13 @@ sums in float32 and rounds once, as SDPA over the float32 mirror does (its order
 
 Graphs are traced with make_fx and compiled by inductor's compile_fx directly: torch.compile's frame
 guards cost ~100 us per call here, more than these kernels (and compile_fx's own wrappers ~12 us,
-see _direct). Each shape compiles once per process, and the engine compiles them all at startup
-(ModelRunner.warm_up: one one-token step; on a 2-vCPU AVX2 EPYC, SmolLM2-135M, ~43 s with an empty
-inductor cache, ~10 s with it warm, most of that importing inductor). If compiling fails (no C++ compiler, an inductor change), the compiled path
-turns itself off with a warning and the eager ops run. `enforce_eager=True` (`--enforce-eager`)
-keeps the eager ops from the start.
+see _direct). Each shape compiles once per process, and the engine compiles them at startup
+(ModelRunner.warm_up: one one-token step, whose kernels serve every context length and mirror
+layout, except a mirror of one row, whose kernels a later layout of more rows does not share; on
+a 2-vCPU AVX2 EPYC, SmolLM2-135M, ~43 s with an empty inductor cache, ~10-12 s with it warm, most
+of that importing inductor). If compiling fails (no C++ compiler, an inductor change), the
+compiled path turns itself off with a warning and the eager ops run. `enforce_eager=True`
+(`--enforce-eager`) keeps the eager ops from the start.
 """
 
 from __future__ import annotations
@@ -71,14 +73,11 @@ def _run(fn: Callable, args: tuple, **static):
 def _kernel(fn: Callable, args: tuple, dynamic: dict[int, tuple[int, ...]] | None = None, **static) -> Callable | None:
     """The compiled kernel of fn(*args, **static), compiled on first use for these shapes,
     dtype and static values; None when compiling fails. dynamic: {argument index: its dimensions
-    that the kernel takes at any size from 2 up}, left out of the key (one kernel for all those
-    sizes; a size of 1 gets a kernel of its own, as tracing specializes it). The
-    key leaves strides out (a few us per call on the per-token path): every call site passes the
-    same layout for the same shapes (contiguous tensors, rope_cos_sin's views), and the compiled
-    code asserts it."""
+    that the kernel takes at any size from 2 up} (see _shape_key). The key leaves strides out (a
+    few us per call on the per-token path): every call site passes the same layout for the same
+    shapes (contiguous tensors, rope_cos_sin's views), and the compiled code asserts it."""
     dynamic = dynamic or {}
-    key = (fn, args[0].dtype, *static.values(),
-           *[tuple(None if n > 1 and d in dynamic.get(i, ()) else n for d, n in enumerate(a.shape)) for i, a in enumerate(args)])  # fmt: skip
+    key = (fn, args[0].dtype, *static.values(), *(_shape_key(a, dynamic.get(i, ())) for i, a in enumerate(args)))
     got = _compiled.get(key)
     if got is None:
         if _failed:
@@ -90,6 +89,16 @@ def _kernel(fn: Callable, args: tuple, dynamic: dict[int, tuple[int, ...]] | Non
             log.warning("compiling a CPU decode kernel failed (%s); running the eager ops instead", _failed[0][:300])
             return None
     return got
+
+
+def _shape_key(a: torch.Tensor, dims: tuple[int, ...]) -> tuple:
+    """a's part of a kernel's key: its shape, the symbolic dimensions `dims` left out where their size
+    is above 1 (tracing specializes a size of 1: such a kernel is keyed apart); with symbolic
+    dimensions, whether a is contiguous too: traced contiguous, a tensor's outer stride is the
+    product of its sizes, traced as a view of a larger buffer (the decode mirror's layouts in its
+    arena) a symbol of its own, and the two kernels serve different tensors."""
+    shape = tuple(None if n > 1 and d in dims else n for d, n in enumerate(a.shape))
+    return (shape, a.is_contiguous()) if dims else shape
 
 
 def _compile(fn: Callable, args: tuple, dynamic: dict[int, tuple[int, ...]]) -> Callable:
@@ -108,9 +117,8 @@ def _compile(fn: Callable, args: tuple, dynamic: dict[int, tuple[int, ...]]) -> 
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
 
     def fake(i: int, a: torch.Tensor) -> torch.Tensor:
-        if i not in dynamic:
-            return fake_mode.from_tensor(a)
-        sizes = [DimDynamic.DYNAMIC if d in dynamic[i] else DimDynamic.STATIC for d in range(a.dim())]
+        dims = dynamic.get(i, ())
+        sizes = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(a.dim())]
         return fake_mode.from_tensor(a, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
 
     fakes = [fake(i, a) for i, a in enumerate(args)]

@@ -231,20 +231,24 @@ def _mirror_rows(kvh, d, cap, length, g):
 
 @pytest.mark.parametrize("dtype,heads,kvh", [(torch.bfloat16, 6, 2), (torch.float16, 4, 4)])
 def test_one_token_attention_matches_sdpa(dtype, heads, kvh):
-    """decode_attention at any context length and any layout of the mirror's buffers, from one
-    kernel: SDPA's result within the output dtype's rounding, for lengths at and around multiples
+    """decode_attention at any context length and any layout of the mirror's buffers, from a kernel
+    per kind of layout: SDPA's result within the output dtype's rounding, for lengths at and around multiples
     of its span step and up to a capacity that is not one; None (the caller's SDPA) where it does
     not apply."""
     g = torch.Generator().manual_seed(5)
     d = 16
     tol = dict(rtol=8e-3, atol=8e-3) if dtype == torch.bfloat16 else dict(rtol=1e-3, atol=1e-3)
     before = compiled_keys(cpu_compiled._attend)
+    # the mirror's layouts: [layers, rows, kv heads, capacity, hd] views of the start of each layer's
+    # arena, which the first fills (contiguous) and the others do not; one of a single row
+    n = 6 * kvh * 1152 * d
+    layouts = [(6, 1152), (2, 1100), (5, 1152), (3, 1100), (1, 1100)]
     for i, length in enumerate((1, 15, 16, 17, 37, 127, 128, 129, 300, 513, 1024, 1090, 1099, 1100)):
-        rows, cap = (2, 1100) if i % 2 else (5, 1152)  # two layouts, as the mirror's growth makes
+        rows, cap = layouts[i % len(layouts)]
         K, V = _mirror_rows(kvh, d, cap, length, g)
         q = (torch.randn(1, heads, d, generator=g) * 2).to(dtype)
-        # the row as layer 2 of 3 ([layers, rows, kv heads, capacity, hd]; other layers, other rows: noise)
-        Ks, Vs = torch.randn(3, rows, kvh, cap, d, generator=g), torch.randn(3, rows, kvh, cap, d, generator=g)
+        # the row as layer 2 of 3 (other layers, other rows: noise)
+        Ks, Vs = (torch.randn(3, n, generator=g)[:, : rows * kvh * cap * d].view(3, rows, kvh, cap, d) for _ in "kv")
         Ks[2, 0], Vs[2, 0] = K[0], V[0]
         run = cpu_compiled.decode_attention(Ks, Vs, length, dtype, 0.3)  # the step's kernel
         got = run(q, torch.tensor([2]))
@@ -257,7 +261,9 @@ def test_one_token_attention_matches_sdpa(dtype, heads, kvh):
         assert got.shape == (1, heads, d) and got.dtype == dtype
         torch.testing.assert_close(got.float(), want, **tol)
     check_compiled(cpu_compiled._attend)
-    assert compiled_keys(cpu_compiled._attend) == before + 1  # span, rows and capacity symbolic: one kernel
+    # span, rows and capacity symbolic: one kernel for the contiguous layout, one for the views, one
+    # for the single row
+    assert compiled_keys(cpu_compiled._attend) == before + 3
     K, V = _mirror_rows(kvh, d, cap, 9, g)
     assert cpu_compiled.decode_attention(K[None], V[None], 9, torch.float32, 0.3) is None  # float32 queries
 
