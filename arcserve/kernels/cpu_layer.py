@@ -12,8 +12,8 @@ buffer writes all layers' K/V into the decode mirror's row and the paged cache.
 
 The paged cache stays the source of truth: it holds the step's tokens when the step ends, as on
 every other path. Applies when the step's attention plan (cpu_attention._plan) has a one-row
-kernel (one sequence, no sliding window), the cache
-keeps the model's dtype (an 8-bit cache rounds K/V first: the layer-by-layer path) and each layer
+kernel (one sequence, no sliding window), the cache keeps the model's dtype (an 8-bit cache
+rounds K/V first: the layer-by-layer path) and each layer
 has its products' tiled weights; otherwise, or if a layer's compile fails, the layers run through
 blocks.decoder_layer (the layers already run keep their K/V: they are written first).
 """
