@@ -78,7 +78,7 @@ class LLMEngine(InputProcessor):
             n = self.runner.capture_graphs(self.max_num_batched_tokens)
             logger.info("Captured %d step graphs (decode batches up to %d, mixed steps up to %d tokens) in %.1f s",
                         n, args.max_num_seqs, self.max_num_batched_tokens, time.time() - t0)  # fmt: skip
-        elif self.runner.warm_up_lengths():
+        elif self.runner.warm_up_length() is not None:
             t0 = time.time()
             logger.info("Compiling the CPU's one-token kernels (once per process; inductor's disk cache "
                         "makes later starts faster; --enforce-eager skips them)")  # fmt: skip

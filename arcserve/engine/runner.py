@@ -271,30 +271,32 @@ class ModelRunner:
                                  self.max_num_seqs, max_num_batched_tokens)  # fmt: skip
         return self.graphs.capture()
 
-    def warm_up_lengths(self) -> tuple[int, ...]:
-        """Context lengths of the one-token steps warm_up runs (ops.warm_up_lengths: on CPUs that
-        emulate half products, one step, whose kernels take any context; else none)."""
-        return self.model.ops.warm_up_lengths(self.model.dtype, self.max_model_len)
+    def warm_up_length(self) -> int | None:
+        """The context length of the one-token step warm_up runs (ops.warm_up_length: on CPUs that
+        emulate half products; None elsewhere)."""
+        return self.model.ops.warm_up_length(self.model.dtype, self.max_model_len)
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Run a one-token step at each of warm_up_lengths, so that their kernels compile now rather
-        than while a request waits. At startup only (it reads blocks 0, 1, ... as a sequence's
-        context, which no request holds yet); what the steps write into the paged cache and the
-        decode mirror is zeroed after, and the mirror's row dropped."""
+        """Run a one-token step at warm_up_length, so that its kernels compile now rather than while
+        a request waits. At startup only (it reads blocks 0, 1, ... as a sequence's context, which
+        no request holds yet); what the step writes into the paged cache and the decode mirror is
+        zeroed after, and the mirror's row dropped."""
+        n = self.warm_up_length()
+        if n is None:
+            return
         mirror = self.decode_mirror
-        for n in self.warm_up_lengths():
-            meta = _scratch_meta([n], self.block_size, self.device, q_lens=[1])
-            meta.host.update(seq_ids=np.array([-1]), decode_mirror=mirror, kv_cache=self.kv)
-            ids = torch.zeros(1, dtype=torch.long, device=self.device)
-            positions = torch.tensor([n - 1], device=self.device)
-            self._logits(self.model.forward(ids, positions, meta, self.kv_caches), None, 1)
-            block, offset = divmod(int(meta.slot_mapping[0]), self.block_size)
-            self.kv[:, :, block, offset] = 0
-            if mirror is not None and mirror.k is not None:
+        meta = _scratch_meta([n], self.block_size, self.device, q_lens=[1])
+        meta.host.update(seq_ids=np.array([-1]), decode_mirror=mirror, kv_cache=self.kv)
+        ids = torch.zeros(1, dtype=torch.long, device=self.device)
+        positions = torch.tensor([n - 1], device=self.device)
+        self._logits(self.model.forward(ids, positions, meta, self.kv_caches), None, 1)
+        block, offset = divmod(int(meta.slot_mapping[0]), self.block_size)
+        self.kv[:, :, block, offset] = 0
+        if mirror is not None:
+            if mirror.k is not None:
                 mirror.k[:, 0, :, :n] = 0
                 mirror.v[:, 0, :, :n] = 0
-        if mirror is not None:
             mirror.reset()
 
     # ---- one step -----------------------------------------------------------------------------

@@ -47,8 +47,8 @@ def get_ops(kernels: str, device: torch.device, compiled: bool = True) -> Simple
         # CPU decode attention reads a dense mirror of the decoding sequences' KV (cpu_attention.py).
         paged_attention=cpu_attention.paged_attention if cpu else reference.paged_attention,
         make_decode_mirror=cpu_attention.DecodeMirror if cpu else None,
-        # context lengths of the one-token steps to run at startup (ModelRunner.warm_up)
-        warm_up_lengths=lambda dtype, max_model_len: (),
+        # the context length of a one-token step to run at startup, or None (ModelRunner.warm_up)
+        warm_up_length=lambda dtype, max_model_len: None,
     )
     composed = dict(pre_attention=blocks.pre_attention, post_attention=blocks.post_attention,
                     decoder_layer=blocks.decoder_layer)  # fmt: skip
@@ -61,7 +61,7 @@ def get_ops(kernels: str, device: torch.device, compiled: bool = True) -> Simple
             add_rms_norm_linear=cpu_compiled.add_rms_norm_linear,
             silu_mul_linear=cpu_compiled.silu_mul_linear,
             qkv_prepare=cpu_compiled.qkv_prepare,
-            warm_up_lengths=cpu_compiled.warm_up_lengths,
+            warm_up_length=cpu_compiled.warm_up_length,
             paged_attention=functools.partial(cpu_attention.paged_attention, one_row=cpu_compiled.decode_attention),
         )
         composed = dict(pre_attention=cpu_compiled.pre_attention, post_attention=cpu_compiled.post_attention,

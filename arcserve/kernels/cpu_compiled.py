@@ -76,14 +76,16 @@ def _kernel(fn: Callable, args: tuple, dynamic: dict[int, tuple[int, ...]] | Non
     that the kernel takes at any size from 2 up} (see _shape_key). The key leaves strides out (a
     few us per call on the per-token path): every call site passes the same layout for the same
     shapes (contiguous tensors, rope_cos_sin's views), and the compiled code asserts it."""
-    dynamic = dynamic or {}
-    key = (fn, args[0].dtype, *static.values(), *(_shape_key(a, dynamic.get(i, ())) for i, a in enumerate(args)))
+    if dynamic:
+        key = (fn, args[0].dtype, *static.values(), *(_shape_key(a, dynamic.get(i, ())) for i, a in enumerate(args)))
+    else:  # (the per-op kernels' lookup, every call: plain shapes, ~4 us against ~15 us for ten arguments)
+        key = (fn, args[0].dtype, *static.values(), *[a.shape for a in args])
     got = _compiled.get(key)
     if got is None:
         if _failed:
             return None
         try:
-            got = _compiled[key] = _direct(_compile(functools.partial(fn, **static), args, dynamic), args)
+            got = _compiled[key] = _direct(_compile(functools.partial(fn, **static), args, dynamic or {}), args)
         except Exception as e:  # noqa: BLE001 (any compiler failure: fall back to the eager ops)
             _failed.append(f"{type(e).__name__}: {e}")
             log.warning("compiling a CPU decode kernel failed (%s); running the eager ops instead", _failed[0][:300])
@@ -97,8 +99,9 @@ def _shape_key(a: torch.Tensor, dims: tuple[int, ...]) -> tuple:
     dimensions, whether a is contiguous too: traced contiguous, a tensor's outer stride is the
     product of its sizes, traced as a view of a larger buffer (the decode mirror's layouts in its
     arena) a symbol of its own, and the two kernels serve different tensors."""
-    shape = tuple(None if n > 1 and d in dims else n for d, n in enumerate(a.shape))
-    return (shape, a.is_contiguous()) if dims else shape
+    if not dims:
+        return a.shape
+    return tuple(None if n > 1 and d in dims else n for d, n in enumerate(a.shape)), a.is_contiguous()
 
 
 def _compile(fn: Callable, args: tuple, dynamic: dict[int, tuple[int, ...]]) -> Callable:
@@ -353,16 +356,16 @@ class OneRowAttention:
         return self._kernel(*args)
 
 
-def warm_up_lengths(dtype: torch.dtype, max_model_len: int) -> tuple[int, ...]:
-    """Context lengths of one-token steps that between them compile the one-token kernels a model
-    in `dtype` uses: one step (the kernels take any context), or () where the compiled path does
-    not apply. The engine runs it at startup (ModelRunner.warm_up): compiled at their first use
-    instead, the first lone decoding sequence of a process waited for them (measured on a 2-vCPU
-    AVX2 EPYC, SmolLM2-135M: 6-16 s, and 2.5-12 s more at each longer context bucket of the kernels
-    before they took any length)."""
+def warm_up_length(dtype: torch.dtype, max_model_len: int) -> int | None:
+    """The context length of a one-token step that compiles every one-token kernel a model in `dtype`
+    uses (they take any context), or None where the compiled path does not apply. The engine runs
+    it at startup (ModelRunner.warm_up): compiled at their first use instead, the first lone
+    decoding request of a process waited for them (measured on a 2-vCPU AVX2 EPYC, SmolLM2-135M:
+    13-36 s, and 5-13 s more at each longer context bucket of the kernels before they took any
+    length; docs/BENCHMARKS.md, session 28)."""
     if _failed or not _emulated(dtype):
-        return ()
-    return (min(SPAN_STEP, max_model_len),)
+        return None
+    return min(SPAN_STEP, max_model_len)
 
 
 def decode_attention(K: torch.Tensor, V: torch.Tensor, length: int, dtype: torch.dtype,
