@@ -30,7 +30,7 @@ guards cost ~100 us per call here, more than these kernels (and compile_fx's own
 see _direct). Each shape compiles once per process, and the engine compiles them at startup
 (ModelRunner.warm_up: one one-token step, whose kernels serve every context length and mirror
 layout, except a mirror of one row, whose kernels a later layout of more rows does not share; on
-a 2-vCPU AVX2 EPYC, SmolLM2-135M, ~43 s with an empty inductor cache, ~10-12 s with it warm, most
+a 2-vCPU AVX2 EPYC, SmolLM2-135M, ~25-28 s with an empty inductor cache, ~7 s with it warm, most
 of that importing inductor). If compiling fails (no C++ compiler, an inductor change), the
 compiled path turns itself off with a warning and the eager ops run. `enforce_eager=True`
 (`--enforce-eager`) keeps the eager ops from the start.

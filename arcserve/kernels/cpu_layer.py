@@ -53,7 +53,7 @@ class _Step:
         self.attention = plan["one_row"][2]  # cpu_compiled.OneRowAttention
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
-        self.kernels: dict[bool, Callable] = {}  # first layer or not -> its compiled layer
+        self.kernel: Callable | None = None  # every layer's compiled call, looked up at the first
         self.active = True
 
     def write(self) -> None:
@@ -111,17 +111,20 @@ def _run(step: _Step, x, residual, lw, layer: int, dims: LayerDims, rope: tuple,
     if not cpu_compiled._rows16(lw.qkv, lw.o, lw.gate_up, lw.down):
         return None
     step.mirror.refill(layer, k_cache, v_cache, step.plan)  # a new decoder's context, at its first step
+    if residual is None:
+        # The first layer has no residual yet: it adds one of -0.0, which leaves every value and the
+        # sign of every zero as they are (x + -0.0 == x), so all layers share one graph (a graph of
+        # its own for the first layer was one more compile at startup, see docs/BENCHMARKS.md).
+        residual = torch.full_like(x, -0.0)
     a = step.attention
     pre, static = cpu_compiled.pre_args(x, residual, lw, rope)
     post, biases = cpu_compiled.post_weights(lw)
     args = (*pre, a.K, a.V, step.mirror.layer_index[layer], a.length, a.span, *post)
-    kernel = step.kernels.get(static["first"])
-    if kernel is None:  # looked up once per step for the first layer and once for the others
-        kernel = cpu_compiled._kernel(
+    if step.kernel is None:  # looked up once per step
+        step.kernel = cpu_compiled._kernel(
             _layer, args, {len(pre) + i - 1: d for i, d in a.DYNAMIC.items()}, **static, post_biases=biases, num_q=dims.num_q,
             num_kv=dims.num_kv, head_dim=dims.head_dim, eps=dims.eps, scale=a.scale,
         )  # fmt: skip
-        if kernel is None:
+        if step.kernel is None:
             return None
-        step.kernels[static["first"]] = kernel
-    return kernel(*args)
+    return step.kernel(*args)
