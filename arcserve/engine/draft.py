@@ -75,10 +75,7 @@ class DraftProposer:
                  max_num_batched_tokens: int) -> None:  # fmt: skip
         self.kv = KVCacheManager(num_blocks, args.block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(model, num_blocks, args.block_size, args.seed, max_model_len, args.max_num_seqs)
-        if self.runner.graphs_possible(args.enforce_eager):
-            self.runner.capture_graphs(max_num_batched_tokens)
-        else:
-            self.runner.warm_up()  # (the CPU's one-token kernels, where they compile)
+        self.runner.prepare(args.enforce_eager, max_num_batched_tokens, "Draft model: ")
         self.budget = max_num_batched_tokens  # catch-up tokens per step
         self.seqs: dict[int, _DraftSeq] = {}  # by request seq_no
 

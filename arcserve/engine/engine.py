@@ -73,17 +73,7 @@ class LLMEngine(InputProcessor):
                                                  self.max_num_batched_tokens)  # fmt: skip
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, args.seed, self.max_model_len,
                                   args.max_num_seqs, mirror_bytes)  # fmt: skip
-        if self.runner.graphs_possible(args.enforce_eager):
-            t0 = time.time()
-            n = self.runner.capture_graphs(self.max_num_batched_tokens)
-            logger.info("Captured %d step graphs (decode batches up to %d, mixed steps up to %d tokens) in %.1f s",
-                        n, args.max_num_seqs, self.max_num_batched_tokens, time.time() - t0)  # fmt: skip
-        elif self.runner.warm_up_length() is not None:
-            t0 = time.time()
-            logger.info("Compiling the CPU's one-token kernels (once per process; inductor's disk cache "
-                        "makes later starts faster; --enforce-eager skips them)")  # fmt: skip
-            self.runner.warm_up()
-            logger.info("Compiled them in %.1f s", time.time() - t0)
+        self.runner.prepare(args.enforce_eager, self.max_num_batched_tokens)
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, make_policy(args.scheduling_policy), args.max_num_seqs,

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +41,8 @@ from arcserve.platform import (
     to_host_async,
     wait_event,
 )
+
+log = logging.getLogger("arcserve")
 
 
 @dataclass
@@ -259,6 +263,21 @@ class ModelRunner:
         return ids, to_device(h["positions"], dev), meta
 
     # ---- graphs ---------------------------------------------------------------------------
+    def prepare(self, enforce_eager: bool, max_num_batched_tokens: int, what: str = "") -> None:
+        """At startup: capture the step graphs where the device has them (graphs_possible), else
+        compile the CPU's one-token kernels where they apply (warm_up); logs which and how long it
+        took, `what` (e.g. "Draft model: ") in front of each line."""
+        t0 = time.time()
+        if self.graphs_possible(enforce_eager):
+            n = self.capture_graphs(max_num_batched_tokens)
+            log.info("%sCaptured %d step graphs (decode batches up to %d, mixed steps up to %d tokens) in %.1f s",
+                     what, n, self.max_num_seqs, max_num_batched_tokens, time.time() - t0)  # fmt: skip
+        elif self.warm_up_length() is not None:
+            log.info("%sCompiling the CPU's one-token kernels (once per process; inductor's disk cache "
+                     "makes later starts faster; --enforce-eager skips them)", what)  # fmt: skip
+            self.warm_up()
+            log.info("%sCompiled them in %.1f s", what, time.time() - t0)
+
     def graphs_possible(self, enforce_eager: bool) -> bool:
         """Graphs need a GPU that has them and attention that plans on the device (the Triton
         kernels), not the torch twin's host plan."""
