@@ -344,13 +344,16 @@ class OneRowAttention:
         self.span = torch.empty(min(-(-length // SPAN_STEP) * SPAN_STEP, K.shape[3]), dtype=torch.uint8)
         self._kernel: Callable | None = None
 
-    # K and V's rows and capacity (the mirror's layout changes as it grows), and the span: symbolic
-    DYNAMIC = {1: (1, 3), 2: (1, 3), 5: (0,)}
+    def dynamic(self, args: tuple) -> dict[int, tuple[int, ...]]:
+        """_kernel's `dynamic` for a graph over `args` that include K, V and span, wherever they sit:
+        K and V's rows and capacity (the mirror's layout changes as it grows), the span's size."""
+        dims = {id(self.K): (1, 3), id(self.V): (1, 3), id(self.span): (0,)}
+        return {i: dims[id(a)] for i, a in enumerate(args) if id(a) in dims}
 
     def __call__(self, q: torch.Tensor, layer: torch.Tensor) -> torch.Tensor | None:
         args = (q, self.K, self.V, layer, self.length, self.span)
         if self._kernel is None:  # looked up at the step's first layer
-            self._kernel = _kernel(_attend, args, self.DYNAMIC, scale=self.scale)
+            self._kernel = _kernel(_attend, args, self.dynamic(args), scale=self.scale)
             if self._kernel is None:
                 return None
         return self._kernel(*args)

@@ -122,7 +122,7 @@ def _run(step: _Step, x, residual, lw, layer: int, dims: LayerDims, rope: tuple,
     args = (*pre, a.K, a.V, step.mirror.layer_index[layer], a.length, a.span, *post)
     if step.kernel is None:  # looked up once per step
         step.kernel = cpu_compiled._kernel(
-            _layer, args, {len(pre) + i - 1: d for i, d in a.DYNAMIC.items()}, **static, post_biases=biases, num_q=dims.num_q,
+            _layer, args, a.dynamic(args), **static, post_biases=biases, num_q=dims.num_q,
             num_kv=dims.num_kv, head_dim=dims.head_dim, eps=dims.eps, scale=a.scale,
         )  # fmt: skip
         if step.kernel is None:
