@@ -348,7 +348,9 @@ class OneRowAttention:
         """_kernel's `dynamic` for a graph over `args` that include K, V and span, wherever they sit:
         K and V's rows and capacity (the mirror's layout changes as it grows), the span's size."""
         dims = {id(self.K): (1, 3), id(self.V): (1, 3), id(self.span): (0,)}
-        return {i: dims[id(a)] for i, a in enumerate(args) if id(a) in dims}
+        got = {i: dims[id(a)] for i, a in enumerate(args) if id(a) in dims}
+        assert len(got) == 3, "K, V and span must be among the arguments themselves (not views or copies)"
+        return got
 
     def __call__(self, q: torch.Tensor, layer: torch.Tensor) -> torch.Tensor | None:
         args = (q, self.K, self.V, layer, self.length, self.span)

@@ -14,8 +14,10 @@ The paged cache stays the source of truth: it holds the step's tokens when the s
 every other path. Applies when the step's attention plan (cpu_attention._plan) has a one-row
 kernel (one sequence, no sliding window), the cache keeps the model's dtype (an 8-bit cache
 rounds K/V first: the layer-by-layer path) and each layer
-has its products' tiled weights; otherwise, or if a layer's compile fails, the layers run through
-blocks.decoder_layer (the layers already run keep their K/V: they are written first).
+has its products' tiled weights; otherwise the layers run through blocks.decoder_layer: a layer
+without the tiled weights hands the rest of the step over (the layers already run keep their K/V:
+they are written first), and a failed compile, at the first layer (all layers share one graph),
+the whole step.
 """
 
 from __future__ import annotations
@@ -106,16 +108,21 @@ def decoder_layer(
     return out, residual
 
 
+def no_residual(x: torch.Tensor) -> torch.Tensor:
+    """The residual the first layer (which has none yet) adds: -0.0, which leaves every value of x
+    and the sign of every zero as they are (x + -0.0 == x; +0.0 would turn -0.0 into +0.0), so the
+    first layer runs the others' graph (a graph of its own was one more compile at startup,
+    docs/BENCHMARKS.md, session 29)."""
+    return torch.full_like(x, -0.0)
+
+
 def _run(step: _Step, x, residual, lw, layer: int, dims: LayerDims, rope: tuple, k_cache, v_cache) -> tuple | None:
     """The layer's compiled call, or None if its weights lack the tiled copy or it fails to compile."""
     if not cpu_compiled._rows16(lw.qkv, lw.o, lw.gate_up, lw.down):
         return None
     step.mirror.refill(layer, k_cache, v_cache, step.plan)  # a new decoder's context, at its first step
-    if residual is None:
-        # The first layer has no residual yet: it adds one of -0.0, which leaves every value and the
-        # sign of every zero as they are (x + -0.0 == x), so all layers share one graph (a graph of
-        # its own for the first layer was one more compile at startup, see docs/BENCHMARKS.md).
-        residual = torch.full_like(x, -0.0)
+    if residual is None:  # the first layer: all layers share one graph (no_residual)
+        residual = no_residual(x)
     a = step.attention
     pre, static = cpu_compiled.pre_args(x, residual, lw, rope)
     post, biases = cpu_compiled.post_weights(lw)

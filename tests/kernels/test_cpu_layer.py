@@ -1,7 +1,8 @@
 """cpu_layer: a step decoding one sequence runs each decoder layer as one compiled call and writes
 every layer's new K/V into the decode mirror and the paged cache at the step's end. It must give
 the layer-by-layer path's bits (tokens, logprobs, both caches), also when a layer cannot take it
-midway through a step (the layers before keep their K/V), and leave 8-bit caches layer by layer."""
+midway through a step (the layers before keep their K/V), and leave 8-bit caches layer by layer.
+Every layer runs one graph: the first adds a residual of -0.0, which must change no bit."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 from test_cpu_compiled import HAVE_CXX, compiled_keys, emulated_half  # noqa: F401 (the autouse fixture)
+from test_cpu_compiled import _layer as layer_weights
 from tiny_models import make_model_dir
 
 from arcserve import LLM, SamplingParams
@@ -90,13 +92,14 @@ ALONE = 100 - BOTH
 # plain (the longer prompt), qkv bias + tied head, q/k norms
 @pytest.mark.parametrize("arch,prompt", [("llama", 55), ("qwen2", 10), ("qwen3", 10)])
 def test_whole_layer_steps_give_the_layer_by_layer_bits(three_layer_dirs, arch, prompt, monkeypatch):
+    monkeypatch.setattr(cpu_compiled, "_compiled", {})  # (not the kernels earlier tests compiled)
     want = decode(three_layer_dirs[arch], False, prompt)
     counts = Counts(monkeypatch)
     got = decode(three_layer_dirs[arch], True, prompt)
     assert_same(got, want)
     if HAVE_CXX:
         assert not cpu_compiled._failed, cpu_compiled._failed
-        assert compiled_keys(cpu_layer._layer) >= 1
+        assert compiled_keys(cpu_layer._layer) == 1  # one graph for every layer, the first one's included
         assert counts.layers == ALONE * LAYERS
         # no per-layer store on those steps: only the prefill steps' and the two-sequence steps'
         assert counts.stores == BOTH * LAYERS
@@ -168,3 +171,38 @@ def test_an_8bit_cache_runs_layer_by_layer(three_layer_dirs, monkeypatch):
     out = llm.generate({"prompt_token_ids": list(range(5, 20))}, SamplingParams(temperature=0, max_tokens=8),
                        use_tqdm=False)[0].outputs[0]  # fmt: skip
     assert len(out.token_ids) == 8 and counts.layers == 0 and counts.stores == 8 * LAYERS
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_first_layers_residual_changes_no_bit(dtype):
+    """The first layer (no residual yet) adds cpu_layer.no_residual(x) so that it runs the other
+    layers' graph: through the compiled pre half, q, k, v and the new residual keep the bits of a
+    graph without the add, and the residual is x's bits: -0.0, subnormals, the largest values and
+    infinities included (a residual of +0.0 would turn -0.0 into +0.0)."""
+    g = torch.Generator().manual_seed(11)
+    hidden, nq, nkv, d = 64, 4, 2, 16
+    lw = layer_weights(g, dtype, hidden, 96, nq, nkv, d, bias=False, qk_norm=True)
+    fi = torch.finfo(dtype)
+    finite = torch.randn(1, hidden, generator=g).to(dtype)
+    finite[0, :10] = torch.tensor([0.0, -0.0, fi.tiny / 4, -fi.tiny / 4, fi.max, -fi.max, fi.tiny, -0.0, 1, -1]).to(dtype)
+    infinite = finite.clone()
+    infinite[0, 10], infinite[0, 11] = float("inf"), -float("inf")
+    rope = reference.rope_cos_sin(torch.randn(64, d, generator=g), torch.tensor([7]), dtype)
+
+    def bits(t):
+        return t.contiguous().view(torch.int16)
+
+    for x in (finite, infinite):
+        zero = cpu_layer.no_residual(x)
+        assert torch.equal(bits(reference.fused_add_rms_norm(x, zero, lw.input_norm, 1e-6)[1]), bits(x))
+        alone, static_alone = cpu_compiled.pre_args(x, None, lw, rope)
+        added, static_added = cpu_compiled.pre_args(x, zero, lw, rope)
+        assert static_alone["first"] and not static_added["first"]
+        dims = dict(num_q=nq, num_kv=nkv, head_dim=d, eps=1e-6)
+        want = cpu_compiled._run(cpu_compiled._pre, alone, **static_alone, **dims)
+        got = cpu_compiled._run(cpu_compiled._pre, added, **static_added, **dims)
+        if HAVE_CXX:
+            assert not cpu_compiled._failed, cpu_compiled._failed
+            assert torch.equal(bits(got[3]), bits(x))
+            for a, b in zip(got, want):
+                assert torch.equal(bits(a), bits(b))
