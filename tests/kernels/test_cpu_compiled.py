@@ -158,11 +158,15 @@ def test_engine_decodes_the_same_tokens_compiled_and_eager(llama_dir, monkeypatc
     fast = LLM(str(llama_dir), dtype="bfloat16", max_model_len=128)
     assert isinstance(fast.llm_engine.model.layers[0].gate_up, reference.EmulatedHalfWeight)
     assert fast.llm_engine.model.layers[0].gate_up.rows16 is not None
+    whole = []  # layers the request's steps ran as one compiled call (not the startup warm-up's)
+    run = cpu_layer._run
+    monkeypatch.setattr(cpu_layer, "_run", lambda *args: whole.append(run(*args)) or whole[-1])
     got = fast.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
     assert got == want
     if HAVE_CXX:  # the one-token steps took the compiled layers (tests/kernels/test_cpu_layer.py) and LM head
         assert compiled_keys(cpu_compiled._gemv) and not cpu_compiled._failed
-        assert compiled_keys(cpu_layer._layer)
+        layers = len(fast.llm_engine.model.layers)
+        assert sum(w is not None for w in whole) == (len(want) - 1) * layers  # every decode step's every layer
 
 
 def _layer(g, dtype, hidden, inter, nq, nkv, d, bias: bool, qk_norm: bool):
