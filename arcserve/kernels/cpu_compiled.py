@@ -245,23 +245,31 @@ def _present(*tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     return tuple(t for t in tensors if t is not None)
 
 
-def _pre(x, *t, first: bool, qkv_bias: bool, qk_norm: bool, num_q: int, num_kv: int, head_dim: int, eps: float) -> tuple:
+def _pre(x, residual, *t, qkv_bias: bool, qk_norm: bool, num_q: int, num_kv: int, head_dim: int, eps: float) -> tuple:
     """blocks.pre_attention's arithmetic for one token (the paged-cache store stays outside): t is
-    (residual unless first, input norm, qkv rows16, qkv bias if qkv_bias, q and k norms if qk_norm,
-    rope_cos_sin's four tensors)."""
-    residual, t = (None, t) if first else (t[0], t[1:])
+    (input norm, qkv rows16, qkv bias if qkv_bias, q and k norms if qk_norm, rope_cos_sin's four
+    tensors)."""
     h, residual = reference.fused_add_rms_norm(x, residual, t[0], eps)
     qkv = _gemv(h, t[1], *t[2 : 2 + qkv_bias]).view(1, num_q + 2 * num_kv, head_dim)
     q, k = _norm_rope(qkv, *t[2 + qkv_bias :], num_q=num_q, eps=eps, neox=True)  # the decoder's families are NeoX
     return q, k, qkv[:, num_q + num_kv :].contiguous(), residual
 
 
+def no_residual(x: torch.Tensor) -> torch.Tensor:
+    """The residual the first layer (which has none yet) adds: -0.0, which leaves every value of x
+    and the sign of every zero as they are (x + -0.0 == x; +0.0 would turn -0.0 into +0.0), so the
+    first layer runs the others' kernels (kernels of its own were one more compile at startup,
+    docs/BENCHMARKS.md, session 29)."""
+    return torch.full_like(x, -0.0)
+
+
 def pre_args(x, residual, lw, rope) -> tuple[tuple, dict]:
-    """_pre's tensors for layer weights `lw` and its static values but the shapes and eps (also
-    cpu_layer._layer's, under the same names)."""
+    """_pre's tensors for layer weights `lw` (the first layer's residual: no_residual) and its
+    static values but the shapes and eps (also cpu_layer._layer's, under the same names)."""
     norms = () if lw.q_norm is None else (lw.q_norm, lw.k_norm)
-    args = (x, *_present(residual), lw.input_norm, lw.qkv.rows16, *_present(lw.qkv_bias), *norms, *rope)
-    return args, dict(first=residual is None, qkv_bias=lw.qkv_bias is not None, qk_norm=bool(norms))
+    residual = no_residual(x) if residual is None else residual
+    args = (x, residual, lw.input_norm, lw.qkv.rows16, *_present(lw.qkv_bias), *norms, *rope)
+    return args, dict(qkv_bias=lw.qkv_bias is not None, qk_norm=bool(norms))
 
 
 def pre_attention(ops, x, residual, lw, eps, rope, num_q, num_kv, head_dim, k_cache, v_cache, slots):

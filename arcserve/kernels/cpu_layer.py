@@ -16,8 +16,8 @@ kernel (one sequence, no sliding window), the cache keeps the model's dtype (an 
 rounds K/V first: the layer-by-layer path) and each layer
 has its products' tiled weights; otherwise the layers run through blocks.decoder_layer: a layer
 without the tiled weights hands the rest of the step over (the layers already run keep their K/V:
-they are written first), and a failed compile, at the first layer (all layers share one graph),
-the whole step.
+they are written first), and a failed compile, at the first layer (all layers share one graph: the
+first adds cpu_compiled.no_residual), the whole step.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ from arcserve.kernels import blocks, cpu_attention, cpu_compiled
 from arcserve.kernels.blocks import LayerDims
 
 
-def _layer(x: torch.Tensor, *t: torch.Tensor, first: bool, qkv_bias: bool, qk_norm: bool,
+def _layer(x: torch.Tensor, *t: torch.Tensor, qkv_bias: bool, qk_norm: bool,
            post_biases: tuple[bool, bool, bool], num_q: int, num_kv: int, head_dim: int, eps: float,
            scale: float) -> tuple:  # fmt: skip
     """One decoder layer for one token: t is cpu_compiled._pre's tensors, then the mirror's K, V,
     the layer's index, the context length and the span read (cpu_compiled._attend's), then
     cpu_compiled._post's weights. Returns the layer's output, the new residual, the token's k and v, and q."""
-    n_pre = (0 if first else 1) + 2 + qkv_bias + 2 * qk_norm + 4
-    q, k, v, residual = cpu_compiled._pre(x, *t[:n_pre], first=first, qkv_bias=qkv_bias, qk_norm=qk_norm,
+    n_pre = 1 + 2 + qkv_bias + 2 * qk_norm + 4
+    q, k, v, residual = cpu_compiled._pre(x, *t[:n_pre], qkv_bias=qkv_bias, qk_norm=qk_norm,
                                           num_q=num_q, num_kv=num_kv, head_dim=head_dim, eps=eps)  # fmt: skip
     K, V, layer, length, span = t[n_pre : n_pre + 5]
     attn = cpu_compiled._attend(q, K, V, layer, length, span, k, v, scale=scale)
@@ -108,21 +108,11 @@ def decoder_layer(
     return out, residual
 
 
-def no_residual(x: torch.Tensor) -> torch.Tensor:
-    """The residual the first layer (which has none yet) adds: -0.0, which leaves every value of x
-    and the sign of every zero as they are (x + -0.0 == x; +0.0 would turn -0.0 into +0.0), so the
-    first layer runs the others' graph (a graph of its own was one more compile at startup,
-    docs/BENCHMARKS.md, session 29)."""
-    return torch.full_like(x, -0.0)
-
-
 def _run(step: _Step, x, residual, lw, layer: int, dims: LayerDims, rope: tuple, k_cache, v_cache) -> tuple | None:
     """The layer's compiled call, or None if its weights lack the tiled copy or it fails to compile."""
     if not cpu_compiled._rows16(lw.qkv, lw.o, lw.gate_up, lw.down):
         return None
     step.mirror.refill(layer, k_cache, v_cache, step.plan)  # a new decoder's context, at its first step
-    if residual is None:  # the first layer: all layers share one graph (no_residual)
-        residual = no_residual(x)
     a = step.attention
     pre, static = cpu_compiled.pre_args(x, residual, lw, rope)
     post, biases = cpu_compiled.post_weights(lw)

@@ -16,7 +16,7 @@ from tiny_models import make_model_dir
 
 from arcserve import LLM, SamplingParams
 from arcserve.engine.runner import ModelRunner
-from arcserve.kernels import cpu_compiled, cpu_layer, reference
+from arcserve.kernels import blocks, cpu_compiled, cpu_layer, get_ops, reference
 
 LAYERS = 3
 
@@ -174,35 +174,35 @@ def test_an_8bit_cache_runs_layer_by_layer(three_layer_dirs, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_first_layers_residual_changes_no_bit(dtype):
-    """The first layer (no residual yet) adds cpu_layer.no_residual(x) so that it runs the other
-    layers' graph: through the compiled pre half, q, k, v and the new residual keep the bits of a
-    graph without the add, and the residual is x's bits: -0.0, subnormals, the largest values and
-    infinities included (a residual of +0.0 would turn -0.0 into +0.0)."""
+def test_the_first_layers_residual_changes_no_bit(dtype, monkeypatch):
+    """The first layer (no residual yet) adds cpu_compiled.no_residual(x) so that it runs the other
+    layers' kernels: through the compiled pre half, q, k, v and the new residual keep the bits of
+    the path without the add (the one-token ops one by one, the residual norm the reference's),
+    and the residual is x's bits: -0.0, subnormals, the largest values and infinities included (a
+    residual of +0.0 would turn -0.0 into +0.0)."""
+    monkeypatch.setattr(cpu_compiled, "_compiled", {})  # (not the kernels earlier tests compiled)
     g = torch.Generator().manual_seed(11)
     hidden, nq, nkv, d = 64, 4, 2, 16
     lw = layer_weights(g, dtype, hidden, 96, nq, nkv, d, bias=False, qk_norm=True)
+    ops = get_ops("torch", torch.device("cpu"))
     fi = torch.finfo(dtype)
     finite = torch.randn(1, hidden, generator=g).to(dtype)
     finite[0, :10] = torch.tensor([0.0, -0.0, fi.tiny / 4, -fi.tiny / 4, fi.max, -fi.max, fi.tiny, -0.0, 1, -1]).to(dtype)
     infinite = finite.clone()
     infinite[0, 10], infinite[0, 11] = float("inf"), -float("inf")
     rope = reference.rope_cos_sin(torch.randn(64, d, generator=g), torch.tensor([7]), dtype)
+    caches = [torch.zeros(3, 8, nkv, d, dtype=dtype) for _ in range(4)]
 
     def bits(t):
         return t.contiguous().view(torch.int16)
 
     for x in (finite, infinite):
-        zero = cpu_layer.no_residual(x)
+        zero = cpu_compiled.no_residual(x)
         assert torch.equal(bits(reference.fused_add_rms_norm(x, zero, lw.input_norm, 1e-6)[1]), bits(x))
-        alone, static_alone = cpu_compiled.pre_args(x, None, lw, rope)
-        added, static_added = cpu_compiled.pre_args(x, zero, lw, rope)
-        assert static_alone["first"] and not static_added["first"]
-        dims = dict(num_q=nq, num_kv=nkv, head_dim=d, eps=1e-6)
-        want = cpu_compiled._run(cpu_compiled._pre, alone, **static_alone, **dims)
-        got = cpu_compiled._run(cpu_compiled._pre, added, **static_added, **dims)
-        if HAVE_CXX:
-            assert not cpu_compiled._failed, cpu_compiled._failed
-            assert torch.equal(bits(got[3]), bits(x))
-            for a, b in zip(got, want):
-                assert torch.equal(bits(a), bits(b))
+        got = ops.pre_attention(x, None, lw, 1e-6, rope, nq, nkv, d, caches[0], caches[1], torch.tensor([5]))
+        want = blocks.pre_attention(ops, x, None, lw, 1e-6, rope, nq, nkv, d, caches[2], caches[3], torch.tensor([5]))
+        assert torch.equal(bits(got[3]), bits(x))
+        for a, b in zip(got, want):
+            assert torch.equal(bits(a), bits(b))
+    if HAVE_CXX:
+        assert not cpu_compiled._failed and compiled_keys(cpu_compiled._pre) == 1  # (the compiled pre half ran)
