@@ -2,7 +2,7 @@
 small tokenizer trained here (prompts are token ids; ids past its vocabulary decode to nothing).
 A few kilobytes stand in for a checkpoint of any size.
 
-    python benchmarks/model_shapes.py DIR   # writes DIR/qwen3-0.6b and DIR/llama-3.1-8b
+    python benchmarks/model_shapes.py DIR   # writes DIR/qwen3-0.6b, DIR/llama-3.1-8b, DIR/smollm2-135m
 """
 
 from __future__ import annotations
@@ -26,6 +26,13 @@ SHAPES = {
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192},
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+    },
+    # CPU benchmarks (issue 2's model) on machines without the checkpoint
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "head_dim": 64, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
     },
 }  # fmt: skip
 

@@ -39,9 +39,18 @@ def run_engine(a: argparse.Namespace) -> dict:
 
         kw = dict(enforce_eager=a.vllm_eager)
     else:
+        import torch
+
         from arcserve import LLM, SamplingParams
+        from arcserve.kernels import cpu_attention, reference
 
         kw = dict(max_num_batched_tokens=a.max_num_batched_tokens) if a.max_num_batched_tokens else {}
+        if a.emulate_half:  # the AVX2-only CPU's paths on any CPU (compiled one-token steps, float32 copies)
+            reference.native_half_matmul = lambda dtype: False
+        if a.float32_mirror:  # only the decode mirror in float32, the products as this CPU chooses
+            cpu_attention.mirror_dtype = lambda dtype: torch.float32
+    if a.load_format != "auto":
+        kw["load_format"] = a.load_format
     t0 = time.perf_counter()
     llm = LLM(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, seed=0, **kw)
     startup = time.perf_counter() - t0
@@ -97,9 +106,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     workload_args(p)
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="arcserve only")
+    p.add_argument("--load-format", default="auto", help="dummy: random weights from config.json (both engines)")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vLLM: run it too")
     p.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager=True")
     p.add_argument("--single-only", action="store_true", help="only the single-request decode")
+    p.add_argument("--emulate-half", action="store_true",
+                   help="arcserve on a CPU with native half products: take the paths of CPUs without (AVX2-only)")
+    p.add_argument("--float32-mirror", action="store_true",
+                   help="arcserve: keep the CPU decode mirror in float32 whatever this CPU multiplies natively")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the engines this many times, alternating (arcserve, vLLM, arcserve, ...): "
                         "on a VM whose speed drifts, compare the medians")  # fmt: skip

@@ -1,0 +1,102 @@
+"""Where a single request's decode step goes on the CPU (arcserve only): one request of 32 random
+prompt tokens decoding 128 tokens, with wall-clock timers around the engine step, the model's
+forward, its decoder layers (whole-layer calls and the rest), the LM head and the sampler; and
+the startup's compiles (cpu_compiled._compile, each traced graph) with inductor's cache counters.
+
+    python benchmarks/cpu_single_breakdown.py --model DIR [--load-format dummy] [--dtype bfloat16] [--tiles 64 32 16]
+
+Prints ms per decode step of each part (medians over the 127 decode steps of the second of two
+runs) and the startup's compile times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+import statistics
+import time
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--tiles", type=int, nargs="+", default=None, help="cpu_compiled.TILES to try")
+    a = p.parse_args()
+
+    t0 = time.perf_counter()
+    from arcserve.kernels import cpu_compiled, cpu_layer
+
+    if a.tiles:
+        cpu_compiled.TILES = tuple(a.tiles)
+
+    compiles = []
+    compile_fn = cpu_compiled._compile
+
+    def timed_compile(fn, args, dynamic):
+        t = time.perf_counter()
+        got = compile_fn(fn, args, dynamic)
+        compiles.append((getattr(fn, "func", fn).__name__, round(time.perf_counter() - t, 2)))
+        return got
+
+    cpu_compiled._compile = timed_compile
+    from arcserve import LLM, SamplingParams
+    from arcserve.engine.engine import LLMEngine
+    from arcserve.engine.sampler import Sampler
+    from arcserve.models.decoder import DecoderModel
+
+    t_import = time.perf_counter() - t0
+    kw = {} if a.load_format == "auto" else {"load_format": a.load_format}
+    llm = LLM(model=a.model, dtype=a.dtype, max_model_len=2048, seed=0, **kw)
+    startup = time.perf_counter() - t0
+    from torch._dynamo.utils import counters
+
+    print(f"startup {startup:.1f} s (arcserve import {t_import:.1f} s); compiles: {compiles}")
+    print("inductor counters:", dict(counters["inductor"]))
+
+    spans = collections.defaultdict(float)
+
+    def timer(owner, name: str, label: str):
+        fn = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spans[label] += time.perf_counter() - t
+
+        setattr(owner, name, wrapped)
+
+    timer(LLMEngine, "step", "engine step")
+    timer(DecoderModel, "forward", "model forward")
+    timer(DecoderModel, "logits", "final norm + LM head")
+    timer(cpu_layer, "decoder_layer", "decoder layers")
+    timer(cpu_layer, "_run", "whole-layer calls")
+    timer(Sampler, "__call__", "sampler")
+
+    rng = random.Random(1)
+    prompt = {"prompt_token_ids": [rng.randrange(100, 300) for _ in range(32)]}
+    params = SamplingParams(temperature=0.6, max_tokens=a.tokens, ignore_eos=True)
+    eng = llm.llm_engine
+    per_step = collections.defaultdict(list)
+    for run in range(2):
+        per_step.clear()
+        eng.add_request(f"breakdown-{run}", prompt, params)
+        steps = 0
+        while eng.has_unfinished_requests():
+            spans.clear()
+            eng.step()
+            steps += 1
+            if steps > 1:  # decode steps only
+                for k, v in spans.items():
+                    per_step[k].append(v * 1e3)
+    for k, v in per_step.items():
+        print(f"{k:>22}: {statistics.median(v):7.2f} ms per decode step")
+
+
+if __name__ == "__main__":
+    main()
