@@ -116,6 +116,24 @@ def test_chat_template(llm):
     assert two[0].outputs[0].token_ids == out.outputs[0].token_ids and len(two) == 2
 
 
+def test_developer_messages_reach_a_template_without_the_role_as_system(llm):
+    """OpenAI's "developer" role, for a template that does not name it: the messages become system
+    ones, all system messages merged into one in front (a blank line between their texts), as
+    vLLM renders them; a template that names the role gets the messages as they are."""
+    user = {"role": "user", "content": "hi"}
+    as_system = llm.chat([{"role": "system", "content": "be brief"}, user], greedy(2), use_tqdm=False)[0].prompt
+    got = llm.chat([{"role": "developer", "content": "be brief"}, user], greedy(2), use_tqdm=False)[0].prompt
+    assert got == as_system == "<s>system\nbe brief</s>\n<s>user\nhi</s>\n<s>assistant\n"
+    later = [{"role": "system", "content": "one"}, user, {"role": "developer", "content": [{"type": "text", "text": "two"}]}]
+    assert llm.chat(later, greedy(2), use_tqdm=False)[0].prompt == "<s>system\none\n\ntwo</s>\n<s>user\nhi</s>\n<s>assistant\n"
+    # no developer message: several system messages stay where they are
+    two_sys = [{"role": "system", "content": "one"}, user, {"role": "system", "content": "two"}]
+    assert llm.chat(two_sys, greedy(2), use_tqdm=False)[0].prompt.count("<s>system") == 2
+    knows = "{% for m in messages %}{% if m.role == 'developer' %}D:{% endif %}{{ m.content }};{% endfor %}"
+    out = llm.chat([{"role": "developer", "content": "x"}, user], greedy(2), use_tqdm=False, chat_template=knows)
+    assert out[0].prompt == "D:x;hi;"
+
+
 def test_chat_content_parts_tools_and_formats(llm):
     """Content reaches the template as vLLM's chat_template_content_format says: "string" joins text
     parts one per line (empty ones left out), "openai" gives parts (a string as one part); "auto"

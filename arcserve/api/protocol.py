@@ -205,11 +205,16 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # strict: true/false are no token ids
     echo: bool = False  # (before max_tokens: its check reads echo)
-    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt scored, nothing generated (vLLM)
+    max_tokens: int = Field(16, ge=0)  # 0 only with echo: the prompt scored, nothing generated (vLLM); null: 16
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (and the like) in front of text prompts
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _null_max_tokens_is_the_default(cls, v):
+        return 16 if v is None else v  # (vLLM's server: null is the default, not "no limit")
 
     @field_validator("max_tokens")
     @classmethod

@@ -90,23 +90,26 @@ class Serving:
         except ValueError as e:
             raise bad_request(e) from e
 
-    def _max_tokens(self, requested: int | None, prompt_len: int) -> int | None:
+    def _max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        """The request's max_tokens, as vLLM's server sets it: refused above max_model_len, else
+        capped by what the context has room for after the prompt (the output then ends with
+        finish_reason "length") and by the model's generation_config max_new_tokens."""
         limit = self.llm.max_model_len
+        if requested is not None and requested > limit:
+            raise APIError(
+                400, f"max_tokens={requested} cannot be greater than this model's maximum context length "
+                f"(max_model_len={limit}); ask for fewer output tokens.",
+                param="max_tokens", code="context_length_exceeded",
+            )  # fmt: skip
         if prompt_len >= limit:
             raise APIError(
                 400, f"The prompt has {prompt_len} tokens but this model's maximum context length "
                 f"(max_model_len) is {limit}; the prompt plus at least one generated token must fit.",
                 param="prompt", code="context_length_exceeded",
             )  # fmt: skip
-        if requested is not None and prompt_len + requested > limit:
-            raise APIError(
-                400, f"This model's maximum context length is {limit} tokens; the request has "
-                f"{prompt_len} prompt tokens and asks for {requested} more ({prompt_len + requested}).",
-                param="max_tokens", code="context_length_exceeded",
-            )  # fmt: skip
         # the model's generation_config max_new_tokens caps every request, as in vLLM's server
         cap = self.llm.generation_defaults.sampling.get("max_tokens")
-        return min((x for x in (requested, cap) if x is not None), default=None)
+        return min(x for x in (requested, cap, limit - prompt_len) if x is not None)
 
     async def _finals(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
         """Wait for every stream's final output; abort them all if the client goes away."""

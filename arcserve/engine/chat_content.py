@@ -5,6 +5,11 @@ Templates read it one of two ways: as text ("string": the parts' texts joined on
 ones left out) or as the list of parts ("openai": a string becomes one text part, no content an
 empty list). "auto" reads the template: a loop over a message's content means it expects parts.
 A tool message's content is always text (most templates print a tool result as a string).
+
+OpenAI's "developer" role (the application's instructions; the newer name of "system") reaches a
+template that does not name it as "system", the system messages then merged into one in front
+(many templates take a system message only there), as vLLM renders it; a template that names the
+role gets it as it is.
 """
 
 from __future__ import annotations
@@ -21,10 +26,39 @@ def template_messages(messages: list, content_format: str, template: str | None)
         raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai'; got {content_format!r}")
     if content_format == "auto":
         content_format = detect_content_format(template) if isinstance(template, str) else "string"
-    return [_message(m, content_format) for m in messages]
+    return [_message(m, content_format) for m in developer_as_system(messages, template)]
+
+
+def developer_as_system(messages: list, template: str | None) -> list:
+    """The conversation with its "developer" messages as "system" ones where the template does not
+    name that role, and then every system message merged into one first message (their texts
+    one after another, a blank line between) unless a single one is first already."""
+    if not any(_role(m) == "developer" for m in messages):
+        return messages
+    if isinstance(template, str) and ('"developer"' in template or "'developer'" in template):
+        return messages
+    msgs = [{**m, "role": "system"} if _role(m) == "developer" else m for m in messages]
+    first = [i for i, m in enumerate(msgs) if _role(m) == "system"]
+    if first == [0]:
+        return msgs
+    texts = [join_texts(_texts(msgs[i])) for i in first]
+    merged = {"role": "system", "content": "\n\n".join(t for t in texts if t)}
+    return [merged, *(m for m in msgs if _role(m) != "system")]
+
+
+def _role(m) -> str | None:
+    return m.get("role") if isinstance(m, dict) else None
 
 
 def _message(m, content_format: str) -> dict:
+    texts = _texts(m)
+    if content_format == "openai" and m["role"] != "tool":
+        return {**m, "content": [{"type": "text", "text": t} for t in texts]}
+    return {**m, "content": join_texts(texts)}
+
+
+def _texts(m) -> list[str]:
+    """A message's content as a list of texts; ValueError for a malformed one."""
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise ValueError(f"Each chat message needs a 'role' (and its 'content'); got {m!r}")
     content = m.get("content")
@@ -40,9 +74,7 @@ def _message(m, content_format: str) -> dict:
         texts = []
     else:
         raise ValueError(f"message content must be a string or a list of text parts; got {type(content).__name__}")
-    if content_format == "openai" and m["role"] != "tool":
-        return {**m, "content": [{"type": "text", "text": t} for t in texts]}
-    return {**m, "content": join_texts(texts)}
+    return texts
 
 
 def join_texts(texts) -> str:

@@ -237,23 +237,30 @@ def test_prompt_longer_than_max_model_len(server, hf, stream):
     messages = [{"role": "user", "content": text}]
     chat_len = len(hf.chat_ids(messages))
     assert_too_long(server.post("/v1/chat/completions", json={**base, "messages": messages}), 256, chat_len)
-    # prompt fits but prompt + max_tokens does not
-    short = hf.tok.encode("Paris is")
-    assert_too_long(server.post("/v1/completions", json={**base, "prompt": "Paris is", "max_tokens": 255}),
-                    256, len(short), 255)  # fmt: skip
-    assert_too_long(server.post("/v1/chat/completions", json={**base, "messages": USER, "max_tokens": 250}),
-                    256, len(hf.chat_ids(USER)), 250)  # fmt: skip
+    # max_tokens over max_model_len, whatever the prompt
+    for path, body in [("/v1/completions", {"prompt": "Paris is"}), ("/v1/chat/completions", {"messages": USER})]:
+        assert_too_long(server.post(path, json={**base, **body, "max_tokens": 257}), 256, 257)
+    chat = {**base, "messages": USER, "max_completion_tokens": 300}
+    assert_too_long(server.post("/v1/chat/completions", json=chat), 256, 300)
     # one prompt of a batch too long: the whole request is refused and nothing is left running
     assert_too_long(server.post("/v1/completions", json={**base, "prompt": ["Paris is", text]}), 256, n)
     server.wait_idle()
 
 
 def test_prompt_at_the_limit_is_served(client):
-    for plen, max_tokens, expect in [(255, None, 1), (255, 1, 1), (250, 6, 6), (200, None, 56)]:
+    """A prompt that leaves room for fewer tokens than max_tokens asks for is served up to the
+    context's end (finish_reason "length"), as vLLM's server does; completions' null max_tokens is
+    the default 16."""
+    for plen, max_tokens, expect in [(255, None, 1), (255, 1, 1), (250, 6, 6), (200, None, 16), (250, 16, 6),
+                                     (250, 256, 6), (100, 200, 156)]:  # fmt: skip
         r = client.completions.create(model=MODEL, prompt=[7] * plen, max_tokens=max_tokens, temperature=0,
                                       extra_body={"ignore_eos": True})  # fmt: skip
         assert r.usage.prompt_tokens == plen and r.usage.completion_tokens == expect
         assert r.choices[0].finish_reason == "length"
+    for max_tokens in (250, 256):  # chat too
+        r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=max_tokens, temperature=0,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+        assert r.usage.total_tokens == 256 and r.choices[0].finish_reason == "length"
 
 
 def test_openai_client_context_length_error(client, hf):

@@ -117,10 +117,12 @@ def test_chat_equals_transformers_greedy(client, hf):
 
 
 def test_default_max_tokens_and_eos(client, hf):
-    """Completions default to 16 tokens; without max_tokens chat runs until EOS (finish 'stop', the EOS
-    token counted in usage but not shown)."""
-    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], extra_body=NO_EOS, **GREEDY)
-    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+    """Completions default to 16 tokens, max_tokens null included (as vLLM's server); without
+    max_tokens chat runs until EOS (finish 'stop', the EOS token counted in usage but not shown)."""
+    for max_tokens in (openai.NOT_GIVEN, None):
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=max_tokens, extra_body=NO_EOS,
+                                      **GREEDY)  # fmt: skip
+        assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
     for kind, ids in [("chat", hf.chat_ids(EOS_MESSAGES)), ("completion", hf.tok.encode(EOS_PROMPT))]:
         cont = hf.greedy(ids, 256 - len(ids))
         assert 2 in cont  # precondition: this prompt's greedy answer reaches EOS
@@ -129,7 +131,7 @@ def test_default_max_tokens_and_eos(client, hf):
             r = client.chat.completions.create(model=MODEL, messages=EOS_MESSAGES, **GREEDY)
             text = r.choices[0].message.content
         else:
-            r = client.completions.create(model=MODEL, prompt=EOS_PROMPT, max_tokens=None, **GREEDY)
+            r = client.completions.create(model=MODEL, prompt=EOS_PROMPT, max_tokens=256 - len(ids), **GREEDY)
             text = r.choices[0].text
         assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] is None
         assert usage_of(r.usage) == (len(ids), n, len(ids) + n)
@@ -268,6 +270,16 @@ def test_chat_text_parts_one_per_line(server):
     joined = [{"role": "user", "content": "Translate this:\nBonjour"}]
     ids = [server.post("/tokenize", json={"model": MODEL, "messages": m}).json()["tokens"] for m in (parts, joined)]
     assert ids[0] == ids[1]
+
+
+def test_developer_role_renders_as_system(server):
+    """A "developer" message (OpenAI's newer name for "system") renders as a system message where the
+    chat template does not name the role, as vLLM's server renders it."""
+    def ids(role: str) -> list[int]:
+        messages = [{"role": role, "content": "Be terse."}, {"role": "user", "content": "Hi"}]
+        return server.post("/tokenize", json={"model": MODEL, "messages": messages}).json()["tokens"]
+
+    assert ids("developer") == ids("system")
 
 
 def test_response_role(llama_dir):

@@ -400,7 +400,7 @@ def test_kv_pressure_preempts_and_answers_stay_exact(tight):
     never = [
         {"prompt": [7] * cap},  # exactly the whole cache: no room for a generated token
         {"prompt": [7] * (cap + 72)},  # more tokens than the cache holds
-        {"prompt": [7] * (cap - 28), "max_tokens": 60},  # prompt + max_tokens beyond the cache
+        {"prompt": [7] * (cap - 28), "max_tokens": cap + 1},  # more output tokens than the cache holds
         {"messages": [{"role": "user", "content": "fox " * cap}]},
     ]
     refusals: list[tuple[dict, float, int, dict]] = []
