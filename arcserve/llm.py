@@ -71,12 +71,12 @@ class LLM:
         tokenization_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """prompts: a string, a list of strings, or {"prompt_token_ids": [...]} dicts (or a list of
-        them). sampling_params and priority: one for all prompts or one per prompt. use_tqdm: a
+        them); a list of token ids is one prompt, as in vLLM. sampling_params and priority: one for all prompts or one per prompt. use_tqdm: a
         bool, or a callable making the progress bar (vLLM's). tokenization_kwargs:
         {"add_special_tokens": False} encodes text prompts without the tokenizer's BOS. Results come
         in input order."""
         _no_lora(lora_request)
-        if isinstance(prompts, (str, dict)):
+        if isinstance(prompts, (str, dict)) or _token_ids(prompts):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -163,6 +163,12 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[i] for i in ids]
+
+
+def _token_ids(prompts) -> bool:
+    """Whether prompts is one prompt's token ids (a non-empty list or tuple of ints)."""
+    return (isinstance(prompts, (list, tuple)) and len(prompts) > 0
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts))  # fmt: skip
 
 
 def _no_lora(lora_request) -> None:

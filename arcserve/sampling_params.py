@@ -74,6 +74,10 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        # vLLM's readings: logprobs=True is one top logprob (False none); seed -1 is no seed
+        self.logprobs, self.prompt_logprobs = (_count(v) for v in (self.logprobs, self.prompt_logprobs))
+        if self.seed == -1:
+            self.seed = None
         if self.top_k == 0:
             raise ValueError("top_k must be -1 (disabled) or at least 1, got 0")
         self._validate()
@@ -84,8 +88,8 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "an integer >= 1")
-        if self.temperature < 0:
-            raise bad("temperature", ">= 0")
+        if not 0 <= self.temperature < math.inf:
+            raise bad("temperature", "a finite number >= 0")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", "in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < -1 or self.top_k == 0:
@@ -169,3 +173,10 @@ class SamplingParams:
         if self.bad_words is not None:
             c.bad_words = list(self.bad_words)
         return c
+
+
+def _count(v):
+    """A logprobs count as given, True as 1 and False as None (no logprobs)."""
+    if v is True:
+        return 1
+    return None if v is False else v

@@ -349,6 +349,8 @@ def test_engine_api_stream_and_abort(llama_dir):
 BAD = [
     (dict(max_tokens=0), "max_tokens"),
     (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),  # (NaN sampled one token over and over)
+    (dict(temperature=float("inf")), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"),
@@ -375,6 +377,27 @@ def test_bad_sampling_params_name_the_parameter(kwargs, name):
 
 def test_vllm_ranges_accepted():
     assert SamplingParams(repetition_penalty=2.5).repetition_penalty == 2.5  # vLLM: any finite value > 0
+
+
+def test_vllm_readings_of_logprobs_flags_and_seed(llm):
+    """As vLLM reads them: logprobs=True / prompt_logprobs=True are one top logprob (False: none),
+    and seed=-1 is no seed (it crashed the step before: torch.topk took k=True)."""
+    sp = SamplingParams(logprobs=True, prompt_logprobs=True, seed=-1, max_tokens=3, temperature=0)
+    assert (sp.logprobs, sp.prompt_logprobs, sp.seed) == (1, 1, None)
+    assert SamplingParams(logprobs=False, prompt_logprobs=False).logprobs is None
+    out = llm.generate("The quick", sp, use_tqdm=False)[0]
+    assert all(len(lp) == 1 for lp in out.outputs[0].logprobs)  # the greedy token is the top one
+    assert out.prompt_logprobs[0] is None and all(p for p in out.prompt_logprobs[1:])
+
+
+def test_one_list_of_token_ids_is_one_prompt(llm):
+    """A flat list of token ids is one prompt (vLLM's reading), not one prompt per id."""
+    ids = [5, 17, 33, 101]
+    got = llm.generate(ids, greedy(3), use_tqdm=False)
+    assert len(got) == 1 and got[0].prompt_token_ids == ids
+    want = llm.generate({"prompt_token_ids": ids}, greedy(3), use_tqdm=False)[0].outputs[0].token_ids
+    assert got[0].outputs[0].token_ids == want
+    assert len(llm.generate([ids, ids], greedy(2), use_tqdm=False)) == 2  # a list of lists: one each
 
 
 def test_bad_prompts_leave_nothing_behind(llm):
@@ -465,11 +488,13 @@ def test_generation_config_defaults(tmp_path, llama_dir):
     d = tmp_path / "gen"
     shutil.copytree(llama_dir, d)
     (d / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": [2, 7], "temperature": 0.3, "top_p": 0.8, "top_k": 20})
+        json.dumps({"eos_token_id": [2, 7], "temperature": 0.3, "top_p": 0.8, "top_k": 20,
+                    "presence_penalty": 0.5, "frequency_penalty": -0.25})  # fmt: skip
     )
     llm = LLM(str(d), max_model_len=64)
     sp = llm.get_default_sampling_params()
     assert (sp.temperature, sp.top_p, sp.top_k) == (0.3, 0.8, 20)
+    assert (sp.presence_penalty, sp.frequency_penalty) == (0.5, -0.25)  # (vLLM reads them too)
     assert llm.llm_engine.eos_token_ids == {2, 7}
     out = llm.generate("x", greedy(6, logit_bias={7: 100.0}), use_tqdm=False)[0].outputs[0]
     # generation_config's extra EOS id stops as vLLM's stop_token_ids do: reported as the stop_reason
@@ -482,6 +507,7 @@ def test_generation_config_defaults(tmp_path, llama_dir):
     plain = LLM(str(d), max_model_len=64, generation_config="vllm")
     sp = plain.get_default_sampling_params()
     assert (sp.temperature, sp.top_p, sp.top_k) == (1.0, 1.0, -1) and plain.llm_engine.eos_token_ids == {2, 7}
+    assert (sp.presence_penalty, sp.frequency_penalty) == (0.0, 0.0)
     out = plain.generate("x", greedy(6, logit_bias={7: 100.0}), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == [7] and out.stop_reason == 7
 

@@ -181,7 +181,7 @@ class InputProcessor:
         The request gets its own copy of params (with output_kind, when given). tokenization_kwargs
         (vLLM's name): {"add_special_tokens": False} encodes a text prompt without the tokenizer's
         BOS. Raises ValueError naming what is wrong."""
-        if priority != 0 and self.args.scheduling_policy != "priority":  # (vLLM refuses it too)
+        if priority != 0 and self.args.scheduling_policy != "priority":  # (as vLLM documents; 0.32 ignores it)
             raise ValueError(f"priority {priority} needs scheduling_policy='priority' (--scheduling-policy "
                              f"priority); this engine runs {self.args.scheduling_policy!r}")  # fmt: skip
         params = params or self.default_sampling_params()

@@ -13,6 +13,8 @@ _SAMPLING_KEYS = {
     "top_k": "top_k",
     "min_p": "min_p",
     "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
     "max_new_tokens": "max_tokens",
 }
 
