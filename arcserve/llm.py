@@ -71,10 +71,10 @@ class LLM:
         tokenization_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """prompts: a string, a list of strings, or {"prompt_token_ids": [...]} dicts (or a list of
-        them); a list of token ids is one prompt, as in vLLM. sampling_params and priority: one for all prompts or one per prompt. use_tqdm: a
-        bool, or a callable making the progress bar (vLLM's). tokenization_kwargs:
-        {"add_special_tokens": False} encodes text prompts without the tokenizer's BOS. Results come
-        in input order."""
+        them); a list of token ids is one prompt, as in vLLM. sampling_params and priority: one for
+        all prompts or one per prompt. use_tqdm: a bool, or a callable making the progress bar
+        (vLLM's). tokenization_kwargs: {"add_special_tokens": False} encodes text prompts without
+        the tokenizer's BOS. Results come in input order."""
         _no_lora(lora_request)
         if isinstance(prompts, (str, dict)) or _token_ids(prompts):
             prompts = [prompts]
