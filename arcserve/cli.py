@@ -68,6 +68,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy: random weights from config.json alone (benchmarks)")  # fmt: skip
     p.add_argument("--generation-config", default="auto", help="auto | a folder | vllm (ignore the model's)")
+    p.add_argument("--override-generation-config", default=None,
+                   help='generation_config.json keys over the model\'s, as JSON: \'{"temperature": 0.5}\'')  # fmt: skip
     p.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"model": DRAFT_DIR, "num_speculative_tokens": 4}\'')  # fmt: skip

@@ -83,6 +83,8 @@ class EngineArgs:
     device: str = "auto"  # auto | cuda | xpu | cpu
     kernels: str = "auto"  # auto (triton on GPUs, torch on CPU) | torch | triton
     generation_config: str = "auto"  # auto (model folder) | a folder | "vllm" (ignore the model's)
+    # generation_config.json keys over the file's (vLLM's; JSON text too): {"temperature": 0.5, ...}
+    override_generation_config: Any = None
     gpu_memory_utilization: float = 0.9  # GPU: share of device memory for weights, activations, KV cache
     enforce_eager: bool = False  # GPU: no step graphs; CPU: no compiled one-token kernels
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights from config.json; benchmarks)
@@ -115,7 +117,22 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size must be 1 (arcserve runs a model on one device), "
                              f"got {self.tensor_parallel_size!r}")  # fmt: skip
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.override_generation_config = _json_dict(self.override_generation_config, "override_generation_config")
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+
+def _json_dict(value, name: str) -> dict:
+    """A dict given as a dict or as JSON text (a CLI flag); {} for None."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict (a JSON object), got {type(value).__name__}")
+    return dict(value)

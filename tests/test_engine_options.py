@@ -58,6 +58,12 @@ def test_cli_engine_flags_map_onto_engine_args():
     assert engine_args_from(p.parse_args(["m"])).kv_cache_dtype == "auto"
     assert engine_args_from(p.parse_args(["m", "--async-scheduling"])).async_scheduling is True
     assert engine_args_from(p.parse_args(["m"])).async_scheduling is None  # the device decides
+    a = engine_args_from(p.parse_args(["m", "--override-generation-config", '{"temperature": 0.5}']))
+    assert a.override_generation_config == {"temperature": 0.5}
+    assert engine_args_from(p.parse_args(["m"])).override_generation_config == {}
+    for bad in ("{temperature: 0.5}", "[1]"):
+        with pytest.raises(ValueError, match="override_generation_config"):
+            engine_args_from(p.parse_args(["m", "--override-generation-config", bad]))
 
 
 def test_cli_takes_vllms_spellings(capsys):

@@ -510,6 +510,17 @@ def test_generation_config_defaults(tmp_path, llama_dir):
     assert (sp.presence_penalty, sp.frequency_penalty) == (0.0, 0.0)
     out = plain.generate("x", greedy(6, logit_bias={7: 100.0}), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == [7] and out.stop_reason == 7
+    # override_generation_config (vLLM's): keys over the file's, under "vllm" too; other keys ignored
+    over = LLM(str(d), max_model_len=64, override_generation_config={"temperature": 0.7, "max_new_tokens": 5,
+                                                                     "do_sample": True})  # fmt: skip
+    sp = over.get_default_sampling_params()
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.max_tokens) == (0.7, 0.8, 20, 5)
+    assert len(over.generate("x", use_tqdm=False)[0].outputs[0].token_ids) <= 5  # the defaults serve generate
+    sp = LLM(str(d), max_model_len=64, generation_config="vllm",
+             override_generation_config='{"top_p": 0.5}').get_default_sampling_params()  # fmt: skip
+    assert (sp.temperature, sp.top_p, sp.top_k) == (1.0, 0.5, -1)
+    with pytest.raises(ValueError, match="generation config's sampling defaults.*temperature"):
+        LLM(str(d), max_model_len=64, override_generation_config={"temperature": -1})
 
 
 def test_get_metrics_counts_exactly(llama_dir):

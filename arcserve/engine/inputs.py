@@ -49,7 +49,12 @@ class InputProcessor:
         self.args = args
         self.model_config = cfg = ModelConfig.from_dir(args.model)
         self.tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
-        self.generation_defaults = load_generation_defaults(args.generation_config, args.model)
+        self.generation_defaults = load_generation_defaults(args.generation_config, args.model,
+                                                            args.override_generation_config)  # fmt: skip
+        try:  # (values that no request could use: refused at startup, not at every request)
+            self.default_sampling_params()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"the generation config's sampling defaults are invalid: {e}") from e
         eos = set(cfg.eos_token_ids) | set(self.generation_defaults.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

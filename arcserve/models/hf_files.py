@@ -39,23 +39,25 @@ class GenerationDefaults:
     sampling: dict = field(default_factory=dict)  # SamplingParams field -> default value
 
 
-def load_generation_defaults(source: str, model_dir: str) -> GenerationDefaults:
+def load_generation_defaults(source: str, model_dir: str, overrides: dict | None = None) -> GenerationDefaults:
     """source: "auto" (the model folder), a folder holding generation_config.json, or "vllm"
     (ignore the model's sampling defaults and use SamplingParams' own; its EOS ids still count, as
-    in vLLM)."""
+    in vLLM). overrides: generation_config.json keys over the file's sampling ones (vLLM's
+    override_generation_config; they apply under "vllm" too, as in vLLM; other keys are ignored)."""
     folder = model_dir if source in ("auto", "vllm") else source
     path = os.path.join(folder, "generation_config.json")
-    if not os.path.isfile(path):
-        if source not in ("auto", "vllm"):
-            raise FileNotFoundError(f"--generation-config {source}: no generation_config.json there")
-        return GenerationDefaults()
-    with open(path) as f:
-        g = json.load(f)
+    g = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            g = json.load(f)
+    elif source not in ("auto", "vllm"):
+        raise FileNotFoundError(f"--generation-config {source}: no generation_config.json there")
     eos = g.get("eos_token_id")
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    sampling = {ours: g[theirs] for theirs, ours in _SAMPLING_KEYS.items() if g.get(theirs) is not None}
     if source == "vllm":
-        sampling = {}
+        g = {}
+    g = {**g, **(overrides or {})}
+    sampling = {ours: g[theirs] for theirs, ours in _SAMPLING_KEYS.items() if g.get(theirs) is not None}
     if sampling.get("top_k") == 0:
         sampling["top_k"] = -1
     return GenerationDefaults(eos_token_ids=eos_ids, sampling=sampling)
