@@ -27,18 +27,11 @@ class SpeculativeConfig:
         The method is "draft_model" when only `model` is given. Raises ValueError naming what is wrong."""
         if spec is None or isinstance(spec, SpeculativeConfig):
             return spec
-        if isinstance(spec, str):
-            try:
-                spec = json.loads(spec)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(spec, dict):
-            raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+        spec = _json_dict(spec, "speculative_config")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(spec) - known
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        spec = dict(spec)
         method = spec.setdefault("method", "draft_model" if spec.get("model") else None)
         if method not in SPEC_METHODS:
             raise ValueError(f"speculative_config: method must be one of {SPEC_METHODS} (or give 'model'), got {method!r}")

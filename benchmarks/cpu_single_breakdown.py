@@ -1,6 +1,6 @@
 """Where a single request's decode step goes on the CPU (arcserve only): one request of 32 random
 prompt tokens decoding 128 tokens, with wall-clock timers around the engine step, the model's
-forward, its decoder layers (whole-layer calls and the rest), the LM head and the sampler; and
+forward, its whole-layer calls (a lone sequence's layers, cpu_layer), the LM head and the sampler; and
 the startup's compiles (cpu_compiled._compile, each traced graph) with inductor's cache counters.
 
     python benchmarks/cpu_single_breakdown.py --model DIR [--load-format dummy] [--dtype bfloat16] [--tiles 64 32 16]
@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import random
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_step_timeline import add_timer  # noqa: E402
 
 
 def main() -> None:
@@ -59,24 +64,10 @@ def main() -> None:
 
     spans = collections.defaultdict(float)
 
-    def timer(owner, name: str, label: str):
-        fn = getattr(owner, name)
-
-        def wrapped(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spans[label] += time.perf_counter() - t
-
-        setattr(owner, name, wrapped)
-
-    timer(LLMEngine, "step", "engine step")
-    timer(DecoderModel, "forward", "model forward")
-    timer(DecoderModel, "logits", "final norm + LM head")
-    timer(cpu_layer, "decoder_layer", "decoder layers")
-    timer(cpu_layer, "_run", "whole-layer calls")
-    timer(Sampler, "__call__", "sampler")
+    for owner, name, label in [(LLMEngine, "step", "engine step"), (DecoderModel, "forward", "model forward"),
+                               (DecoderModel, "logits", "final norm + LM head"),
+                               (cpu_layer, "_run", "whole-layer calls"), (Sampler, "__call__", "sampler")]:  # fmt: skip
+        add_timer(spans, owner, name, label)
 
     rng = random.Random(1)
     prompt = {"prompt_token_ids": [rng.randrange(100, 300) for _ in range(32)]}

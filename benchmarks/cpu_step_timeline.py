@@ -24,6 +24,20 @@ OPS = ("decoder_layer", "pre_attention", "post_attention", "add_rms_norm_linear"
        "linear", "silu_mul_linear", "fused_add_rms_norm")
 
 
+def add_timer(totals: dict[str, float], obj, name: str, key: str) -> None:
+    """Wrap obj.name so that each call adds its wall seconds to totals[key] (a defaultdict)."""
+    fn = getattr(obj, name)
+
+    def wrapper(*args, **kw):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kw)
+        finally:
+            totals[key] += time.perf_counter() - t
+
+    setattr(obj, name, wrapper)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     workload_args(p)
@@ -45,16 +59,7 @@ def main() -> None:
     timers: dict[str, float] = collections.defaultdict(float)
 
     def timed(obj, name: str, key: str) -> None:
-        fn = getattr(obj, name)
-
-        def wrapper(*args, **kw):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kw)
-            finally:
-                timers[key] += time.perf_counter() - t
-
-        setattr(obj, name, wrapper)
+        add_timer(timers, obj, name, key)
 
     for name in OPS:
         timed(eng.model.ops, name, name)

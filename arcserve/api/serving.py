@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from arcserve.api import logprobs
 from arcserve.api.errors import APIError, ClientDisconnected, bad_request, stream_error
 from arcserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from arcserve.engine.async_engine import AsyncLLM, RequestStream
@@ -173,19 +174,6 @@ class Serving:
         return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
     # ---- completions ---------------------------------------------------------------------------
-    def _completion_logprobs(self, o: CompletionOutput, offset: int, k: int) -> dict | None:
-        if o.logprobs is None:
-            return None
-        toks, lps, tops, offs = [], [], [], []
-        for tid, entries in zip(o.token_ids, o.logprobs):
-            s = entries[tid].decoded_token or ""
-            toks.append(s)
-            lps.append(entries[tid].logprob)
-            tops.append(_top_dict(_top_with(entries, tid, k)))
-            offs.append(offset)
-            offset += len(s)
-        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
-
     @staticmethod
     def _refuse_unsupported(body) -> None:
         got = body.unsupported()
@@ -230,44 +218,15 @@ class Serving:
                 completion += len(o.token_ids)
                 choices.append({
                     "index": i * n + o.index, "text": echo[i] + o.text,
-                    "logprobs": self._echo_logprobs(out, o, body) if body.echo
-                    else self._completion_logprobs(o, 0, body.logprobs or 0),
+                    "logprobs": logprobs.echoed(out, o, body.logprobs, self._token_str) if body.echo
+                    else logprobs.completion(o, 0, body.logprobs or 0),
                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-                    **({"prompt_logprobs": _prompt_logprobs(out, body.prompt_logprobs)}
+                    **({"prompt_logprobs": logprobs.prompt(out, body.prompt_logprobs)}
                        if body.prompt_logprobs is not None else {}),
                 })  # fmt: skip
         choices.sort(key=lambda c: c["index"])
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                              "choices": choices, "usage": self._usage(plens, completion)})  # fmt: skip
-
-    def _prompt_part(self, token_ids: list[int], prompt_logprobs: list | None, k: int) -> dict:
-        """Legacy logprobs of the prompt tokens (the first has none), for echo."""
-        toks, lps, tops, offs, off = [], [], [], [], 0
-        for tid, entries in zip(token_ids, prompt_logprobs or [None] * len(token_ids)):
-            s = entries[tid].decoded_token if entries is not None else self._token_str(tid)
-            toks.append(s)
-            offs.append(off)
-            off += len(s)
-            if entries is None:
-                lps.append(None)
-                tops.append(None)
-            else:
-                lps.append(entries[tid].logprob)
-                tops.append(_top_dict(_top_with(entries, tid, k)))
-        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
-
-    @staticmethod
-    def _join_logprobs(a: dict, b: dict) -> dict:
-        shift = (a["text_offset"][-1] + len(a["tokens"][-1])) if a["tokens"] else 0
-        return {"tokens": a["tokens"] + b["tokens"], "token_logprobs": a["token_logprobs"] + b["token_logprobs"],
-                "top_logprobs": a["top_logprobs"] + b["top_logprobs"],
-                "text_offset": a["text_offset"] + [x + shift for x in b["text_offset"]]}  # fmt: skip
-
-    def _echo_logprobs(self, out: RequestOutput, o: CompletionOutput, body: CompletionRequest) -> dict | None:
-        if body.logprobs is None:
-            return None
-        return self._join_logprobs(self._prompt_part(out.prompt_token_ids, out.prompt_logprobs, body.logprobs),
-                                   self._completion_logprobs(o, 0, body.logprobs))  # fmt: skip
 
     def _prompt_text(self, p: dict) -> str:
         return p["prompt"] if p["prompt"] is not None else self.tokenizer.decode(p["prompt_token_ids"])
@@ -298,11 +257,11 @@ class Serving:
                     # Offsets follow the tokens' own text (the streamed text is held back while a
                     # character or a possible stop string is incomplete).
                     start = 0 if first_echo else offsets.get(idx, 0)
-                    lp = self._completion_logprobs(o, start, k)
+                    lp = logprobs.completion(o, start, k)
                     if lp is not None:
                         if first_echo:  # first chunk: the prompt's logprobs too, the tokens' offsets after them
-                            part = self._prompt_part(out.prompt_token_ids, prompt_lps.get(i), k)
-                            lp = self._join_logprobs(part, lp)
+                            part = logprobs.prompt_part(out.prompt_token_ids, prompt_lps.get(i), k, self._token_str)
+                            lp = logprobs.joined(part, lp)
                         offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else start
                     yield self._sse({
                         "id": rid, "object": "text_completion", "created": created, "model": self.model_name,
@@ -319,19 +278,6 @@ class Serving:
         yield "data: [DONE]\n\n"
 
     # ---- chat ----------------------------------------------------------------------------------
-    def _chat_logprobs(self, o: CompletionOutput, k: int) -> dict | None:
-        if o.logprobs is None:
-            return None
-        content = []
-        for tid, entries in zip(o.token_ids, o.logprobs):
-            def item(t, e):
-                s = e.decoded_token or ""
-                return {"token": s, "logprob": e.logprob, "bytes": list(s.encode())}
-
-            top = sorted(entries.items(), key=lambda kv: kv[1].rank)[:k]
-            content.append({**item(tid, entries[tid]), "top_logprobs": [item(t, e) for t, e in top]})
-        return {"content": content}
-
     async def chat(self, body: ChatCompletionRequest, raw: Request, chat_template: str | None):
         self._refuse_unsupported(body)
         if body.chat_template is not None:
@@ -367,10 +313,10 @@ class Serving:
         (out,) = await self._finals(streams, raw)
         choices = [{
             "index": o.index, "message": {"role": role, "content": echo + o.text},
-            "logprobs": self._chat_logprobs(o, k), "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+            "logprobs": logprobs.chat(o, k), "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
         } for o in out.outputs]  # fmt: skip
         completion = sum(len(o.token_ids) for o in out.outputs)
-        extra = {"prompt_logprobs": _prompt_logprobs(out, body.prompt_logprobs)} if body.prompt_logprobs is not None else {}
+        extra = {"prompt_logprobs": logprobs.prompt(out, body.prompt_logprobs)} if body.prompt_logprobs is not None else {}
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                              "choices": choices, "usage": self._usage([len(ids)], completion), **extra})  # fmt: skip
 
@@ -393,27 +339,13 @@ class Serving:
                     if not o.text and o.finish_reason is None and o.logprobs is None:
                         continue  # a token that completes no character yet: nothing to send
                     yield chunk([{"index": o.index, "delta": {"content": o.text} if o.text else {},
-                                  "logprobs": self._chat_logprobs(o, k), "finish_reason": o.finish_reason,
+                                  "logprobs": logprobs.chat(o, k), "finish_reason": o.finish_reason,
                                   "stop_reason": o.stop_reason}])  # fmt: skip
             if usage_mode:
                 yield chunk([], usage=self._usage([plen], completion))
         except Exception as e:
             yield self._sse(stream_error(e))
         yield "data: [DONE]\n\n"
-
-
-def _prompt_logprobs(out: RequestOutput, k: int) -> list:
-    """vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: {logprob, rank,
-    decoded_token}} for the prompt's own token and the k most likely."""
-    result = []
-    for tid, entries in zip(out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids)):
-        if entries is None:
-            result.append(None)
-            continue
-        keep = {tid: entries[tid], **{t: e for t, e in entries.items() if e.rank <= k}}
-        result.append({str(t): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.decoded_token}
-                       for t, e in keep.items()})  # fmt: skip
-    return result
 
 
 def _usage_mode(body) -> str | None:
@@ -436,18 +368,3 @@ def _cancel(tasks: list[asyncio.Future], streams: list[RequestStream]) -> None:
 def _nothing_generated(o: CompletionOutput) -> CompletionOutput:
     """The output without its tokens (echo with max_tokens 0: vLLM's scoring of a prompt)."""
     return dataclasses.replace(o, text="", token_ids=[], logprobs=None if o.logprobs is None else [])
-
-
-def _top_with(entries: dict, tid: int, k: int) -> list:
-    """The k most likely entries, plus the chosen token's when it is not among them (the legacy
-    completions format: up to logprobs + 1 entries, the chosen token always there, as vLLM's)."""
-    top = sorted(entries.values(), key=lambda e: e.rank)[:k]
-    return top if any(e is entries[tid] for e in top) else top + [entries[tid]]
-
-
-def _top_dict(top) -> dict[str, float]:
-    """Legacy top_logprobs: text -> logprob, best first; tokens that decode alike keep the best."""
-    d: dict[str, float] = {}
-    for e in top:
-        d.setdefault(e.decoded_token or "", e.logprob)
-    return d
