@@ -27,6 +27,26 @@ def human_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r} (e.g. 4096, 4k = 4,000, 4K = 4,096)") from None
 
 
+def _ranged(kind, low, high=None):
+    """An argparse type: a `kind` number in [low, high]."""
+
+    def parse(text: str):
+        try:
+            v = human_int(text) if kind is int else kind(text)
+        except (ValueError, argparse.ArgumentTypeError):
+            v = None
+        if v is None or v < low or (high is not None and v > high):
+            span = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be a number {span}, got {text!r}")
+        return v
+
+    return parse
+
+
+def _lower(text: str) -> str:
+    return text.lower()  # (vLLM's log levels are spelled in capitals; ours and uvicorn's in lower case)
+
+
 def max_model_len_arg(text: str) -> int | None:
     """human_int, or -1 / auto: the model's own length (the default)."""
     return None if text.strip().lower() in ("auto", "-1") else human_int(text)
@@ -41,7 +61,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="Hugging Face model folder (default: bundled demo model)")
     p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL", help="the model folder, as a flag")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
-    p.add_argument("--trust-remote-code", action="store_true", help="let a tokenizer run its own code")
+    _bool_flag(p, "trust-remote-code", False, "let a tokenizer run its own code")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1 only: one device per model")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
     p.add_argument("--max-model-len", type=max_model_len_arg, default=None,
@@ -56,13 +76,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the model dtype; fp8 (= fp8_e4m3) or fp8_e5m2: 8-bit floats, scale 1.0 (half the bytes of bf16)")
     _bool_flag(p, "enable-prefix-caching", True, "reuse KV blocks of shared prompt prefixes")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--scheduling-policy", default="fcfs",
+                   help="fcfs | priority | FILE.py:Class | package.module:Class (a SchedulingPolicy subclass)")
     p.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
     p.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
                    help="auto = Triton on GPUs, PyTorch on CPU")  # fmt: skip
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="GPU: share of device memory for weights, activations and the KV cache")  # fmt: skip
-    p.add_argument("--enforce-eager", action="store_true", help="GPU: run every step eagerly, without captured graphs; CPU: no compiled one-token kernels")
+    _bool_flag(p, "enforce-eager", False, "GPU: run every step eagerly, without captured graphs; CPU: no compiled one-token kernels")
+    p.add_argument("--enable-chunked-prefill", action="store_true", dest="chunked_prefill_flag",
+                   help="vLLM's; arcserve always splits long prompts into chunks within --max-num-batched-tokens")  # fmt: skip
     _bool_flag(p, "async-scheduling", None,
                "overlap steps: schedule step N+1 while the device runs step N (default: on for GPUs)")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
@@ -75,7 +98,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         '\'{"model": DRAFT_DIR, "num_speculative_tokens": 4}\'')  # fmt: skip
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic stats line (throughput, running and waiting requests, KV cache usage)")  # fmt: skip
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", type=_lower, choices=["debug", "info", "warning", "error"])
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -121,23 +144,24 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default model: the bundled demo)")
     add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=_ranged(int, 0, 65535), default=8000)
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) the API answers to; responses name the first (default: MODEL_DIR)")  # fmt: skip
-    s.add_argument("--api-key", default=None, help="require this bearer key (also ARCSERVE_API_KEY)")
+    s.add_argument("--api-key", nargs="+", default=None,
+                   help="require this bearer key, or any of several (else ARCSERVE_API_KEY or VLLM_API_KEY)")  # fmt: skip
     s.add_argument("--chat-template", default=None, help="a Jinja chat template file, or the template itself")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (rendered in the Jinja sandbox)")  # fmt: skip
     s.add_argument("--chat-template-content-format", choices=["auto", "string", "openai"], default="auto",
                    help="messages' text parts reach the template joined (string) or as parts (openai); auto: "
                         "as parts when the template loops over a message's content")  # fmt: skip
-    s.add_argument("--enable-log-requests", action="store_true",
-                   help="log each request as it arrives: prompt, token ids and sampling parameters")  # fmt: skip
+    _bool_flag(s, "enable-log-requests", False, "log each request as it arrives: prompt, token ids and sampling parameters")
     s.add_argument("--disable-log-requests", action="store_true",
                    help="vLLM's older flag; requests are not logged unless --enable-log-requests")  # fmt: skip
     s.add_argument("--max-log-len", type=int, default=None,
                    help="with --enable-log-requests: the most prompt characters and token ids logged")  # fmt: skip
-    s.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug", "trace"],
+    s.add_argument("--uvicorn-log-level", default=None, type=_lower,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's own log level (default: --log-level)")  # fmt: skip
     s.add_argument("--response-role", default="assistant",
                    help="the role chat answers carry when add_generation_prompt is true (else the last message's)")  # fmt: skip
@@ -148,33 +172,38 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ssl-ca-certs", default=None, help="CA certificates that client certificates are checked against")
     s.add_argument("--ssl-cert-reqs", type=int, default=0,
                    help="client certificates: 0 none (default), 1 optional, 2 required (Python's ssl.CERT_*)")  # fmt: skip
-    s.add_argument("--max-waiting-requests", type=int, default=1024,
+    s.add_argument("--max-waiting-requests", type=_ranged(int, 1), default=1024,
                    help="answer 503 while this many requests are waiting")  # fmt: skip
-    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+    s.add_argument("--shutdown-timeout", type=_ranged(float, 0.0), default=30.0,
                    help="on SIGTERM: seconds the requests in flight get to finish before they are stopped")  # fmt: skip
     s.add_argument("--metrics-require-key", action="store_true", help="with --api-key, /metrics needs the key too")
-    s.add_argument("--max-request-body-bytes", type=int, default=16 << 20,
-                   help="larger request bodies get 413")  # fmt: skip
+    s.add_argument("--max-request-body-bytes", type=_ranged(int, 1), default=16 << 20,
+                   help="larger request bodies get 413 (e.g. 16M)")  # fmt: skip
+    s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
+    s.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
+    s.add_argument("--enable-request-id-headers", action="store_true",
+                   help="responses carry X-Request-Id (the request's own, else a fresh one)")  # fmt: skip
     s.add_argument("--allowed-origins", default=None,
                    help='CORS: origins allowed to call the API from a browser, as JSON \'["https://a.example"]\' '
                         "or comma-separated (default: CORS off)")  # fmt: skip
     s.add_argument("--allowed-methods", default=None, help="CORS: allowed methods (default GET, POST)")
     s.add_argument("--allowed-headers", default=None, help="CORS: allowed headers (default Authorization, Content-Type)")
-    s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    _bool_flag(s, "allow-credentials", False, "CORS: allow credentials")
     s.set_defaults(func=_serve)
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     bs = b.add_parser("serve", help="load an OpenAI-compatible server and report TTFT/TPOT/ITL")
     from arcserve.bench.serve import add_args as add_bench_args
 
     add_bench_args(bs)
-    bs.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    bs.add_argument("--log-level", default="warning", type=_lower, choices=["debug", "info", "warning", "error"])
     bs.set_defaults(func=_bench_serve)
 
     g = sub.add_parser("generate", help="print one completion of a prompt")
     add_engine_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--max-tokens", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="default: generation_config.json's max_new_tokens, else 16 (vLLM's SamplingParams default)")  # fmt: skip
     g.add_argument("--temperature", type=float, default=None)
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--top-k", type=int, default=None)

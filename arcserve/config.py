@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,12 +93,24 @@ class EngineArgs:
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
                      "kv_cache_memory_bytes"):  # fmt: skip
             positive(name)
+        for name in ("enable_prefix_caching", "enforce_eager", "trust_remote_code", "disable_log_stats",
+                     "async_scheduling"):  # fmt: skip
+            v = getattr(self, name)
+            if not isinstance(v, bool) and not (v is None and name == "async_scheduling"):
+                raise ValueError(f"{name} must be True or False, got {v!r}")
+        try:
+            seed = None if isinstance(self.seed, bool) else operator.index(self.seed)
+        except TypeError:
+            seed = None
+        if seed is None or not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        self.seed = seed
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from arcserve.config import EngineArgs
 from arcserve.engine.engine import LLMEngine
 from arcserve.engine.inputs import add_special_tokens as _add_special_tokens
+from arcserve.engine.inputs import refuse_lora
 from arcserve.engine.stat_logger import StatLogger, device_label
 from arcserve.outputs import RequestOutput
 from arcserve.sampling_params import RequestOutputKind, SamplingParams
@@ -75,7 +76,7 @@ class LLM:
         all prompts or one per prompt. use_tqdm: a bool, or a callable making the progress bar
         (vLLM's). tokenization_kwargs: {"add_special_tokens": False} encodes text prompts without
         the tokenizer's BOS. Results come in input order."""
-        _no_lora(lora_request)
+        refuse_lora(lora_request)
         if isinstance(prompts, (str, dict)) or _token_ids(prompts):
             prompts = [prompts]
         prompts = list(prompts)
@@ -105,7 +106,7 @@ class LLM:
         continue_final_message=True (with add_generation_prompt=False) continues the last message;
         tools: definitions the template renders into the prompt (no tool-call parsing);
         tokenization_kwargs: {"add_special_tokens": True} adds the tokenizer's own BOS too."""
-        _no_lora(lora_request)
+        refuse_lora(lora_request)
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         special = _add_special_tokens(tokenization_kwargs, default=False)
         prompts = [
@@ -171,9 +172,6 @@ def _token_ids(prompts) -> bool:
             and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts))  # fmt: skip
 
 
-def _no_lora(lora_request) -> None:
-    if lora_request is not None:
-        raise ValueError("LoRA adapters are not supported by arcserve (lora_request must be None)")
 
 
 def _per_prompt(value, n: int, name: str) -> list:

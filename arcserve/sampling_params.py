@@ -72,8 +72,16 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple, type(None))):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         self.stop = list(self.stop or [])
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple, type(None))) or any(isinstance(t, (bool, float, str)) for t in ids or ()):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+        self.stop_token_ids = [int(t) for t in (ids or [])]
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA, FINAL_ONLY), "
+                             f"got {self.output_kind!r}")  # fmt: skip
         # vLLM's readings: logprobs=True is one top logprob (False none); seed -1 is no seed
         self.logprobs, self.prompt_logprobs = (_count(v) for v in (self.logprobs, self.prompt_logprobs))
         if self.seed == -1:

@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 import torch
+from tiny_models import text_of
 
 from arcserve import LLM, EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 
@@ -30,7 +31,7 @@ def test_prompt_forms_and_order(llm):
     for a, b in zip(by_text, by_ids):
         assert a.prompt_token_ids == b.prompt_token_ids
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].text == tok.decode(a.outputs[0].token_ids, skip_special_tokens=True)
+        assert a.outputs[0].text == text_of(tok, a.outputs[0].token_ids, skip_special_tokens=True)
         assert a.outputs[0].finish_reason == "length" and len(a.outputs[0].token_ids) == 12
     m = by_text[0].metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
@@ -64,19 +65,19 @@ def test_stop_strings_trimmed_or_included(llm):
 
 def test_stop_token_ids_min_tokens_ignore_eos(llm):
     base = llm.generate("Berlin", greedy(20), use_tqdm=False)[0].outputs[0].token_ids
-    target = base[4]
     tok = llm.get_tokenizer()
+    target = next(t for t in base[4:] if "\ufffd" not in tok.decode([t]))  # a token with text of its own
     n = base.index(target) + 1
     for kind in (RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE):  # lazy and per-token text
         out = llm.generate("Berlin", greedy(20, stop_token_ids=[target], output_kind=kind), use_tqdm=False)[0].outputs[0]
         assert out.token_ids == base[:n]
         assert out.finish_reason == "stop" and out.stop_reason == target
         # as in vLLM: the stop token is generated (token_ids, usage) but its text stays out...
-        assert out.text == tok.decode(base[: n - 1], skip_special_tokens=True)
+        assert out.text == text_of(tok, base[: n - 1], skip_special_tokens=True)
         # ...unless include_stop_str_in_output
         inc = llm.generate("Berlin", greedy(20, stop_token_ids=[target], include_stop_str_in_output=True,
                                             output_kind=kind), use_tqdm=False)[0].outputs[0]  # fmt: skip
-        assert inc.text == tok.decode(base[:n], skip_special_tokens=True) != out.text
+        assert inc.text == text_of(tok, base[:n], skip_special_tokens=True) != out.text
     # min_tokens: the stop token cannot end the sequence before min_tokens tokens.
     mt = llm.generate("Berlin", greedy(20, stop_token_ids=[target], min_tokens=10), use_tqdm=False)
     assert len(mt[0].outputs[0].token_ids) >= 10
@@ -592,6 +593,49 @@ def test_sequence_ids_of_n_collide_with_a_live_request(llama_dir):
 
 def test_priority_needs_the_priority_policy(llm):
     """A priority on a first-come-first-served engine would be ignored: refused, as vLLM does."""
-    with pytest.raises(ValueError, match="priority 2 needs scheduling_policy='priority'"):
+    with pytest.raises(ValueError, match="priority 2 needs a policy that reads it, e.g. scheduling_policy='priority'"):
         llm.generate("x", greedy(2), priority=[2], use_tqdm=False)
     assert llm.generate("x", greedy(2), priority=[0], use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_llm_engine_as_vllm_drives_it(llm, llama_dir):
+    """vLLM's LLMEngine surface: from_engine_args, get_tokenizer, add_request(request_id, prompt,
+    params, arrival_time, lora_request, tokenization_kwargs, trace_headers, priority) returning the
+    id; what vLLM refuses (a request_id that is not a str) or a caller gets wrong (params as a dict,
+    an output_kind or arrival_time of the wrong kind, float token ids, a None prompt) is refused
+    before anything changes, and the engine serves on."""
+    engine = llm.llm_engine
+    assert engine.get_tokenizer() is engine.tokenizer
+    assert engine.add_request("v", "The quick", greedy(3), 1.5e9, None, {"add_special_tokens": False},
+                              {"traceparent": "x"}, 0) == "v"  # fmt: skip
+    bad = [
+        (dict(request_id=7), TypeError, "request_id must be a string"),
+        (dict(params={"max_tokens": 3}), ValueError, "params must be a SamplingParams"),
+        (dict(output_kind="delta"), ValueError, "output_kind must be a RequestOutputKind"),
+        (dict(arrival_time="now"), ValueError, "arrival_time must be a time.time\\(\\) number"),
+        (dict(prompt={"prompt_token_ids": [1.7, 5.2]}), ValueError, "prompt_token_ids must be a list of integer"),
+        (dict(prompt={"prompt": None}), ValueError, "prompt must be a string"),
+        (dict(lora_request=object()), ValueError, "LoRA adapters are not supported"),
+    ]
+    for change, kind, message in bad:
+        kw = {"request_id": "bad", "prompt": "x", "params": greedy(2), **change}
+        with pytest.raises(kind, match=message):
+            engine.add_request(**kw)
+        assert engine.get_num_unfinished_requests() == 1
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in done] == ["v"] and len(done[0].outputs[0].token_ids) == 3
+    assert done[0].metrics.arrival_time == 1.5e9  # (an arrival_time given is kept, 0 too: not "now")
+    for bad_kw, message in [(dict(max_num_seqs=True), "max_num_seqs must be a positive integer"),
+                            (dict(enable_prefix_caching="no"), "enable_prefix_caching must be True or False"),
+                            (dict(seed=-1), "seed must be an integer in"), (dict(seed="x"), "seed must be")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            EngineArgs(model=str(llama_dir), **bad_kw)
+    for kw, message in [(dict(stop=5), "stop must be a string or a list"), (dict(stop_token_ids=[1.5]), "stop_token_ids"),
+                        (dict(output_kind="delta"), "output_kind must be")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**kw)
+    small = LLMEngine.from_engine_args(EngineArgs(model=str(llama_dir), dtype="float32", max_model_len=64))
+    assert isinstance(small, LLMEngine) and small.add_request("a", [5, 6], greedy(1), arrival_time=0) == "a"
+    assert [o.metrics.arrival_time for o in small.step()] == [0.0]

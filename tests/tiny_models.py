@@ -115,6 +115,12 @@ def make_model_dir(path: Path, arch: str, seed: int = 0, shard: bool = False, to
     return path
 
 
+def text_of(tok, ids: list[int], **decode_kw) -> str:
+    """The text the engine gives for generated ids: their decode, less the U+FFFD of bytes that the
+    last tokens left short of a character (they never become text; vLLM leaves them out too)."""
+    return tok.decode(ids, **decode_kw).rstrip("\ufffd")
+
+
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy continuation of each prompt (one at a time: no padding effects)."""
     from transformers import AutoModelForCausalLM

@@ -10,8 +10,10 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
+import uuid
 
 import anyio
 import uvicorn
@@ -52,17 +54,19 @@ def _is_type_tag(part) -> bool:
 
 class APIKeyMiddleware:
     """Bearer-key check as plain ASGI middleware (Starlette's BaseHTTPMiddleware would hide client
-    disconnects from the handlers, and a request whose client left must be aborted). The key is
-    compared in constant time. open_paths need no key."""
+    disconnects from the handlers, and a request whose client left must be aborted). api_key: one
+    key or several (any of them is accepted, as vLLM's --api-key k1 k2), each compared in constant
+    time. open_paths need no key."""
 
-    def __init__(self, app, api_key: str, open_paths: frozenset = frozenset(OPEN_PATHS)) -> None:
-        self.app, self.key, self.open = app, api_key.encode(), open_paths
+    def __init__(self, app, api_key: str | list[str], open_paths: frozenset = frozenset(OPEN_PATHS)) -> None:
+        keys = [api_key] if isinstance(api_key, str) else list(api_key)
+        self.app, self.keys, self.open = app, [k.encode() for k in keys], open_paths
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and _route_path(scope) not in self.open:
             given = dict(scope["headers"]).get(b"authorization", b"")
             token = given[7:] if given[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.key):
+            if sum(hmac.compare_digest(token, k) for k in self.keys) == 0:
                 resp = error_response(401, "Missing or invalid API key (send Authorization: Bearer <key>)",
                                       code="invalid_api_key")  # fmt: skip
                 return await resp(scope, receive, send)
@@ -75,6 +79,26 @@ def _route_path(scope) -> str:
     if root and (path == root or path.startswith(root + "/")):
         return path[len(root) :] or "/"
     return path
+
+
+class RequestIdHeaderMiddleware:
+    """--enable-request-id-headers (vLLM's): every response carries X-Request-Id, the request's own
+    header when it sent one, else a fresh id."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(msg):
+            if msg["type"] == "http.response.start":
+                msg = {**msg, "headers": [*msg.get("headers", []), (b"x-request-id", rid)]}
+            await send(msg)
+
+        return await self.app(scope, receive, send_with_id)
 
 
 class BodyLimitMiddleware:
@@ -117,18 +141,19 @@ class BodyLimitMiddleware:
         await resp(scope, receive, send)
 
 
-def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str | None = None,
+def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str | list[str] | None = None,
               chat_template: str | None = None, metrics_require_key: bool = False,
               max_body_bytes: int = MAX_BODY_BYTES, cors: dict | None = None,
               trust_request_chat_template: bool = False, chat_template_content_format: str = "auto",
               log_stats: str | None = None, log_requests: bool = False, max_log_len: int | None = None,
-              response_role: str = "assistant") -> FastAPI:  # fmt: skip
+              response_role: str = "assistant", docs: bool = True, request_id_headers: bool = False) -> FastAPI:  # fmt: skip
     """served_model_name: the name, or names, requests may give (responses and metrics carry the
     first, as vLLM's). cors: None (no CORS headers: browsers on other origins cannot call the API)
     or the keyword arguments of Starlette's CORSMiddleware (allow_origins, allow_methods,
     allow_headers, allow_credentials). log_stats: the KV cache's device label ("CPU", "GPU") for
     the periodic stats line (engine/stat_logger.py), None for none. log_requests, max_log_len,
-    response_role: Serving's."""
+    response_role: Serving's. docs=False: no /docs, /redoc, /openapi.json (--disable-fastapi-docs);
+    request_id_headers: X-Request-Id on every response (--enable-request-id-headers)."""
     llm = engine.engine
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     served_model_name = names[0]
@@ -158,8 +183,9 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str
             if task is not None:
                 task.cancel()
 
+    no_docs = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="arcserve", version=arcserve.__version__, lifespan=lifespan,
-                  description="OpenAI-compatible API served by arcserve")  # fmt: skip
+                  description="OpenAI-compatible API served by arcserve", **no_docs)  # fmt: skip
     created = int(time.time())
 
     # Middleware added last runs first: CORS (answers preflights, which carry no key), then the
@@ -172,6 +198,8 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str
         from starlette.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, **cors)
+    if request_id_headers:  # (outermost: errors from the middleware above carry it too)
+        app.add_middleware(RequestIdHeaderMiddleware)
 
     @app.exception_handler(APIError)
     async def api_error(_r: Request, e: APIError):
@@ -337,7 +365,9 @@ def run_server(args, engine_args) -> None:
     ssl = bool(args.ssl_keyfile or args.ssl_certfile)
     if ssl and not (args.ssl_keyfile and args.ssl_certfile):
         raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
-    api_key = args.api_key or os.environ.get("ARCSERVE_API_KEY")
+    env_key = os.environ.get("ARCSERVE_API_KEY") or os.environ.get("VLLM_API_KEY")  # (vLLM reads the latter)
+    api_key = args.api_key or ([env_key] if env_key else None)
+    listener = listen_socket(args.host, args.port)  # before the model loads: a taken port fails at once
     device = resolve_device(engine_args.device)
     # The engine runs in its own process (no GIL shared with the event loop); this process only
     # parses, tokenizes and streams, so it keeps one thread and the engine gets every core.
@@ -355,26 +385,46 @@ def run_server(args, engine_args) -> None:
                         trust_request_chat_template=args.trust_request_chat_template,
                         chat_template_content_format=args.chat_template_content_format, log_stats=stats,
                         log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
-                        response_role=args.response_role)  # fmt: skip
+                        response_role=args.response_role, docs=not args.disable_fastapi_docs,
+                        request_id_headers=args.enable_request_id_headers)  # fmt: skip
         routes = sorted(f"{','.join(sorted(r.methods or []))} {r.path}" for r in app.routes if hasattr(r, "methods"))
         logger.info("Routes: %s", "; ".join(routes))
         logger.info("Serving %s as %s on %s://%s:%d (API key %s; CORS %s)", engine_args.model,
                     ", ".join(repr(n) for n in name), "https" if ssl else "http", args.host,
-                    args.port, "required" if api_key else "off", "off" if cors is None else cors["allow_origins"])  # fmt: skip
+                    listener.getsockname()[1], "required" if api_key else "off", "off" if cors is None else cors["allow_origins"])  # fmt: skip
         # uvicorn re-raises the signal that stopped it once it is done: a no-op handler makes
         # SIGTERM's graceful shutdown end in exit status 0.
         signal.signal(signal.SIGTERM, lambda *_: None)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
                                 timeout_keep_alive=5, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                                 ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
-                                root_path=args.root_path or "",
+                                root_path=args.root_path or "", access_log=not args.disable_uvicorn_access_log,
                                 timeout_graceful_shutdown=args.shutdown_timeout + 5)  # fmt: skip
         server = DrainingServer(config, front, args.shutdown_timeout)
-        server.run()
+        server.run(sockets=[listener])
     finally:
+        listener.close()
         if server is not None and server.timer is not None:
             server.timer.cancel()  # everything finished before the shutdown timeout
         front.shutdown()
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound now (vLLM binds before it starts the engine too): an
+    address in use or not this machine's is a ValueError before minutes of model loading."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]  # fmt: skip
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e}") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 class DrainingServer(uvicorn.Server):

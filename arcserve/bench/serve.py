@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -28,21 +29,44 @@ class Result:
     error: str = ""
 
 
+def _at_least(low: float, kind=int):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            v = None
+        if v is None or not v >= low:
+            raise argparse.ArgumentTypeError(f"must be a number >= {low}, got {text!r}")
+        return v
+
+    return parse
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's `bench serve` flags for its random dataset (its names for the lengths as aliases)."""
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model name (default: the server's first model)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [len*(1-r), len*(1+r)]")
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson rate (req/s); inf = all at once")
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--vocab-size", type=int, default=None, help="token ids are drawn from [10, vocab_size - 10) (default 32000)")
+    p.add_argument("--api-key", default=None, help="bearer key (default: OPENAI_API_KEY, if set)")
+    p.add_argument("--backend", default="openai", choices=["openai", "vllm"],
+                   help="both: the /v1/completions endpoint, streamed")  # fmt: skip
+    p.add_argument("--dataset-name", default="random", choices=["random"], help="random token ids (the only one)")
+    p.add_argument("--num-prompts", type=_at_least(1), default=100)
+    p.add_argument("--input-len", "--random-input-len", type=_at_least(1), default=256)
+    p.add_argument("--output-len", "--random-output-len", type=_at_least(1), default=64)
+    p.add_argument("--range-ratio", "--random-range-ratio", type=_at_least(0.0, float), default=0.0,
+                   help="lengths uniform in [len*(1-r), len*(1+r)]")  # fmt: skip
+    p.add_argument("--request-rate", type=_at_least(0.0, float), default=float("inf"),
+                   help="Poisson rate (req/s); inf = all at once")  # fmt: skip
+    p.add_argument("--max-concurrency", type=_at_least(1), default=None)
+    p.add_argument("--vocab-size", type=_at_least(30), default=None,
+                   help="token ids are drawn from [10, vocab_size - 10) (default 32000)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--save-result", default=None, help="write the figures as JSON here")
-    p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    p.add_argument("--temperature", type=_at_least(0.0, float), default=0.0)
+    p.add_argument("--save-result", nargs="?", const=True, default=None,
+                   help="write the figures as JSON: to the file given, else --result-filename in --result-dir")  # fmt: skip
+    p.add_argument("--result-filename", default=None, help="with a bare --save-result (vLLM's)")
+    p.add_argument("--result-dir", default=".", help="with a bare --save-result (vLLM's)")
+    p.add_argument("--timeout", type=_at_least(0.0, float), default=600.0, help="per request, seconds")
 
 
 def workload(a: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
@@ -96,7 +120,8 @@ async def one(client, url: str, headers: dict, model: str, prompt: list[int], ou
 async def run(a: argparse.Namespace) -> dict:
     import httpx
 
-    headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+    key = a.api_key or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     limits = httpx.Limits(max_connections=a.max_concurrency or 1000)
     async with httpx.AsyncClient(base_url=a.base_url, limits=limits) as client:
         model = a.model
@@ -173,9 +198,18 @@ def report(s: dict) -> str:
 
 
 def main(a: argparse.Namespace) -> int:
-    s = asyncio.run(run(a))
+    import httpx
+
+    try:
+        s = asyncio.run(run(a))
+    except httpx.TransportError as e:  # (the model lookup: no server there)
+        raise ValueError(f"cannot reach the server at {a.base_url}: {type(e).__name__}: {e}") from None
     print(report(s))
     if a.save_result:
-        with open(a.save_result, "w") as f:
+        path = a.save_result
+        if path is True:
+            name = a.result_filename or f"arcserve-bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+            path = os.path.join(a.result_dir, name)
+        with open(path, "w") as f:
             json.dump(s, f, indent=2)
     return 0 if s["failed_requests"] == 0 else 1

@@ -4,7 +4,8 @@ Text is decoded from a sliding window of token ids: decode(window) minus decode(
 newest tokens) is the new text. The window starts with a few prompt tokens so that tokenizers that
 drop a leading space at the start of a decode (SentencePiece) or merge bytes across tokens (byte-level
 BPE) produce the same text as decoding everything at once. Text ending in U+FFFD (an incomplete
-UTF-8 sequence) is held back until the next token completes it.
+UTF-8 sequence) is held back until the next token completes it; a sequence that ends before it is
+complete leaves those bytes out of its text.
 
 Ids the tokenizer does not know (checkpoints pad vocab_size past the tokenizer) decode to nothing.
 
@@ -104,11 +105,13 @@ class IncrementalDetokenizer:
         return s
 
     def flush(self) -> None:
-        """At the end: emit whatever is pending, even an incomplete character."""
+        """At the end: emit what is pending except an incomplete character at the very end (its
+        bytes never became a character; vLLM's text leaves them out too), so the final text is the
+        streamed deltas' and never ends in U+FFFD that the model did not write."""
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix):
-            self.text += full[len(prefix) :]
+            self.text += full[len(prefix) :].rstrip("\ufffd")
         self.prefix_offset = self.read_offset = len(self.ids)
 
     def _catch_up(self) -> None:

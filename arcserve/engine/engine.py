@@ -13,12 +13,11 @@ from collections.abc import Callable
 import torch
 
 from arcserve.config import EngineArgs
-from arcserve.engine.inputs import InputProcessor
+from arcserve.engine.inputs import InputProcessor, refuse_lora
 from arcserve.engine.kv_budget import plan_kv_cache
 from arcserve.engine.kv_cache import KVCacheManager
 from arcserve.engine.metrics import EngineMetrics
 from arcserve.engine.output_processor import OutputProcessor, RequestGroup
-from arcserve.engine.policy import make_policy
 from arcserve.engine.request import Request, RequestStatus
 from arcserve.engine.runner import ModelRunner, StepHandle, resolve_kv_cache_dtype
 from arcserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -76,7 +75,7 @@ class LLMEngine(InputProcessor):
         self.runner.prepare(args.enforce_eager, self.max_num_batched_tokens)
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.kv, make_policy(args.scheduling_policy), args.max_num_seqs,
+            self.kv, self.policy, args.max_num_seqs,
             self.max_num_batched_tokens, self.max_model_len,
         )  # fmt: skip
         self.outputs = OutputProcessor(self.tokenizer)
@@ -121,9 +120,21 @@ class LLMEngine(InputProcessor):
                 raise ValueError(
                     f"request_id {group.request_id!r}: its sequence id {req.request_id!r} is already in use"
                 )
+        try:  # (the policy is researchers' code: its failure refuses the request, changing nothing)
+            keys = [self.scheduler.queue_key(req) for req in children]
+        except Exception as e:
+            raise ValueError(f"request_id {group.request_id!r}: the scheduling policy "
+                             f"({type(self.scheduler.policy).__name__}) failed on it: {type(e).__name__}: {e}") from e  # fmt: skip
         self.outputs.add(group, children)
-        for req in children:
-            self.scheduler.add_request(req)
+        for req, key in zip(children, keys):
+            self.scheduler.add_request(req, key)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(engine_args)
+
+    def get_tokenizer(self):
+        return self.tokenizer
 
     def add_request(
         self,
@@ -131,15 +142,23 @@ class LLMEngine(InputProcessor):
         prompt,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        lora_request=None,
+        tokenization_kwargs: dict | None = None,
+        trace_headers=None,
         priority: int = 0,
         output_kind: RequestOutputKind | None = None,
-        tokenization_kwargs: dict | None = None,
-    ) -> None:
-        """Validate and queue a request. Raises ValueError (and changes nothing) on bad input.
-        output_kind overrides the params' (without touching the caller's params);
-        tokenization_kwargs: {"add_special_tokens": bool} for a text prompt (vLLM's name)."""
+    ) -> str:
+        """Validate and queue a request; returns its id. vLLM's arguments, in vLLM's order.
+        Raises ValueError (TypeError for a request_id that is not a str) and changes nothing on bad
+        input. tokenization_kwargs: {"add_special_tokens": bool} for a text prompt; trace_headers
+        (tracing metadata) are not used; lora_request must be None (no LoRA adapters); output_kind
+        (arcserve's) overrides the params' without touching the caller's params."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
+        refuse_lora(lora_request)
         self.add_prepared(self.prepare_request(request_id, prompt, params, arrival_time, priority, output_kind,
                                                tokenization_kwargs))  # fmt: skip
+        return request_id
 
     def abort_request(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

@@ -7,6 +7,7 @@ alone to tokenize and validate requests before handing them over.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import time
 
@@ -15,6 +16,7 @@ import numpy as np
 from arcserve.config import EngineArgs
 from arcserve.engine.chat_content import template_messages
 from arcserve.engine.output_processor import RequestGroup
+from arcserve.engine.policy import FCFSPolicy, make_policy
 from arcserve.engine.request import Request
 from arcserve.models.config import ModelConfig
 from arcserve.models.hf_files import load_generation_defaults, load_tokenizer
@@ -40,6 +42,11 @@ def check_max_model_len(max_model_len: int, cfg: ModelConfig, which: str = "this
     log.warning("%s; allowed by %s=1, outputs past %d positions may be wrong", what, ALLOW_LONG_ENV, trained)
 
 
+def refuse_lora(lora_request) -> None:
+    if lora_request is not None:
+        raise ValueError("LoRA adapters are not supported by arcserve (lora_request must be None)")
+
+
 class InputProcessor:
     def __init__(self, args: EngineArgs) -> None:
         if args.model is None:
@@ -47,6 +54,7 @@ class InputProcessor:
 
             args.model = str(demo_model_dir())
         self.args = args
+        self.policy = make_policy(args.scheduling_policy)  # (a policy file's errors before the model loads)
         self.model_config = cfg = ModelConfig.from_dir(args.model)
         self.tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
         self.generation_defaults = load_generation_defaults(args.generation_config, args.model,
@@ -55,7 +63,10 @@ class InputProcessor:
             self.default_sampling_params()
         except (TypeError, ValueError) as e:
             raise ValueError(f"the generation config's sampling defaults are invalid: {e}") from e
-        eos = set(cfg.eos_token_ids) | set(self.generation_defaults.eos_token_ids)
+        # EOS: the tokenizer's, and generation_config.json's, or where there is none config.json's (as
+        # transformers and vLLM: a generation_config.json replaces config.json's generation keys)
+        gen = self.generation_defaults
+        eos = set(gen.eos_token_ids if gen.found else cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
@@ -74,7 +85,7 @@ class InputProcessor:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), _int_list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
+            if isinstance(prompt.get("prompt"), str):
                 return prompt["prompt"], self.tokenizer.encode(prompt["prompt"], add_special_tokens=add_special_tokens)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
@@ -186,10 +197,22 @@ class InputProcessor:
         The request gets its own copy of params (with output_kind, when given). tokenization_kwargs
         (vLLM's name): {"add_special_tokens": False} encodes a text prompt without the tokenizer's
         BOS. Raises ValueError naming what is wrong."""
-        if priority != 0 and self.args.scheduling_policy != "priority":  # (as vLLM documents; 0.32 ignores it)
-            raise ValueError(f"priority {priority} needs scheduling_policy='priority' (--scheduling-policy "
-                             f"priority); this engine runs {self.args.scheduling_policy!r}")  # fmt: skip
+        try:  # (numpy's integers too; one type for every key: keys of mixed types do not compare)
+            if isinstance(priority, bool):
+                raise TypeError
+            priority = operator.index(priority)
+        except TypeError:
+            raise ValueError(f"priority must be an integer, got {priority!r}") from None
+        if priority != 0 and isinstance(self.policy, FCFSPolicy):  # (as vLLM documents; 0.32 ignores it)
+            raise ValueError(f"priority {priority} needs a policy that reads it, e.g. scheduling_policy='priority' "
+                             "(--scheduling-policy priority); this engine runs 'fcfs'")  # fmt: skip
         params = params or self.default_sampling_params()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if output_kind is not None and not isinstance(output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {output_kind!r}")
+        if arrival_time is not None and (not isinstance(arrival_time, (int, float)) or isinstance(arrival_time, bool)):
+            raise ValueError(f"arrival_time must be a time.time() number, got {arrival_time!r}")
         text, ids = self.prompt_tokens(prompt, params.truncate_prompt_tokens, params.max_tokens,
                                        add_special_tokens(tokenization_kwargs))  # fmt: skip
         params = params.clone()
@@ -203,7 +226,7 @@ class InputProcessor:
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         group = RequestGroup(request_id, text, ids, params)
-        arrival = arrival_time or time.time()
+        arrival = time.time() if arrival_time is None else float(arrival_time)
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
@@ -249,7 +272,10 @@ def _int_list(ids) -> list[int]:
     arr = np.asarray(ids) if isinstance(ids, (list, tuple, np.ndarray)) else None
     if arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu":
         return arr.tolist()
-    return [int(t) for t in ids]
+    try:  # operator.index: integers only (a float id is a caller's mistake, not an id to round)
+        return [operator.index(t) for t in ids]
+    except TypeError:
+        raise ValueError(f"prompt_token_ids must be a list of integer token ids, got {str(ids)[:80]}") from None
 
 
 def add_special_tokens(tokenization_kwargs: dict | None, default: bool = True) -> bool:

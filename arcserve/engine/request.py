@@ -61,7 +61,7 @@ class Request:
         # schedules), and the draft-length state (speculative.DraftLength).
         self.spec_token_ids: list[int] = []
         self.spec_state = None
-        self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        self.metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
 
     @property
     def num_tokens(self) -> int:

@@ -84,10 +84,19 @@ class Scheduler:
         self.num_preemptions = 0
 
     # ---- queue management -------------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
+    def queue_key(self, req: Request):
+        """The policy's key for req, checked to compare with the queue's keys: a policy that raises
+        or gives keys of another type fails here, before anything changes."""
+        key = self.policy.key(req)
+        if self._waiting:
+            _ = key < self._waiting[0][0]  # TypeError where they do not compare
+        return key
+
+    def add_request(self, req: Request, key=None) -> None:
         assert req.request_id not in self.requests, req.request_id
+        key = self.queue_key(req) if key is None else key
         self.requests[req.request_id] = req
-        heapq.heappush(self._waiting, (self.policy.key(req), req.seq_no, req))
+        heapq.heappush(self._waiting, (key, req.seq_no, req))
 
     @property
     def num_waiting(self) -> int:
@@ -197,13 +206,14 @@ class Scheduler:
         )
 
     def _preempt(self, req: Request) -> None:
+        key = self.queue_key(req)  # first: a policy that raises leaves req running (the step fails it)
         self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        heapq.heappush(self._waiting, (self.policy.key(req), req.seq_no, req))
+        heapq.heappush(self._waiting, (key, req.seq_no, req))
 
     # ---- after the step ---------------------------------------------------------------------
     def on_launched(self, out: SchedulerOutput) -> None:

@@ -17,6 +17,7 @@ _DTYPES = {
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
 }  # fmt: skip
 SUPPORTED_ROPE = ("default", "linear", "llama3")
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass
@@ -48,26 +49,32 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, model_dir: str) -> ModelConfig:
         path = os.path.join(model_dir, "config.json")
+        if os.path.isfile(model_dir):
+            raise FileNotFoundError(f"{model_dir} is a file; give the model's folder (config.json, tokenizer, weights)")
         if not os.path.isdir(model_dir):
-            raise FileNotFoundError(f"Model folder not found: {model_dir}")
+            hint = ""
+            if model_dir.count("/") == 1 and not model_dir.startswith((".", "/")):  # a hub id, e.g. Qwen/Qwen3-0.6B
+                hint = (" (arcserve loads local folders and downloads nothing: fetch the model first, e.g. "
+                        f"`hf download {model_dir} --local-dir DIR`, and serve DIR)")  # fmt: skip
+            raise FileNotFoundError(f"Model folder not found: {model_dir}{hint}")
         if not os.path.isfile(path):
             raise FileNotFoundError(
                 f"{model_dir} has no config.json; a Hugging Face model folder needs config.json, "
                 "tokenizer files and *.safetensors weights"
             )
-        with open(path) as f:
-            c = json.load(f)
+        try:
+            with open(path) as f:
+                c = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(c, dict):
+            raise ValueError(f"{path} must hold a JSON object, got {type(c).__name__}")
         arch, family = resolve_family(c.get("architectures"), model_dir)
+        missing = [k for k in _REQUIRED if not isinstance(c.get(k), int) or isinstance(c.get(k), bool)]
+        if missing:
+            raise ValueError(f"{path} lacks (integer) {', '.join(missing)}")
         heads = c["num_attention_heads"]
-        rope = c.get("rope_parameters") or {}
-        scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling:
-            kind = scaling.get("rope_type") or scaling.get("type") or "default"
-            if kind not in SUPPORTED_ROPE:
-                raise ValueError(f"Unsupported rope scaling {kind!r}; supported: {', '.join(SUPPORTED_ROPE)}")
-            if kind != "default" and not isinstance(scaling.get("factor"), (int, float)):
-                raise ValueError(f"rope scaling {kind!r} in config.json needs a numeric 'factor'")
-            scaling = {**scaling, "rope_type": kind} if kind != "default" else None
+        rope, scaling = _rope(c)
         act = c.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"Unsupported hidden_act {act!r}: the decoder's MLP is SiLU-gated (silu)")
@@ -85,7 +92,7 @@ class ModelConfig:
             num_kv_heads=c.get("num_key_value_heads") or heads,
             head_dim=c.get("head_dim") or (128 if family.name == "qwen3" else c["hidden_size"] // heads),
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-            rope_theta=float(c.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rope_theta=float(rope.get("rope_theta") or c.get("rope_theta") or 10000.0),
             rope_scaling=scaling,
             max_position_embeddings=c.get("max_position_embeddings", 2048),
             positions_known="max_position_embeddings" in c,
@@ -94,7 +101,7 @@ class ModelConfig:
             o_bias=bias if family.o_bias is None else family.o_bias,
             mlp_bias=bool(c.get("mlp_bias", False)),
             sliding_window=_sliding_window(c, family.name),
-            config_dtype=_DTYPES.get(str(c.get("torch_dtype") or c.get("dtype") or "float32"), torch.float32),
+            config_dtype=_DTYPES.get(str(c.get("dtype") or c.get("torch_dtype") or "float32"), torch.float32),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             bos_token_id=c.get("bos_token_id"),
         )
@@ -134,6 +141,30 @@ class ModelConfig:
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float()
 
 
+def _rope(c: dict) -> tuple[dict, dict | None]:
+    """(RoPE parameters, the scaling to apply or None), read as transformers 5 reads them:
+    `rope_scaling` (the older key) if present, else `rope_parameters`; the kind under "rope_type" or
+    the older "type"; rope_theta there before the top-level one. Kinds arcserve does not compute,
+    and partial rotary embeddings, are refused rather than run as plain RoPE."""
+    rope = dict(c.get("rope_scaling") or c.get("rope_parameters") or {})
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind not in SUPPORTED_ROPE:
+        raise ValueError(f"Unsupported rope scaling {kind!r}; supported: {', '.join(SUPPORTED_ROPE)}")
+    factor = rope.get("partial_rotary_factor", c.get("partial_rotary_factor"))
+    if factor not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor {factor} in config.json: arcserve rotates the whole head only")
+    if kind == "default":
+        return rope, None
+    needs = ["factor"] + (["low_freq_factor", "high_freq_factor"] if kind == "llama3" else [])
+    for key in needs:
+        if not isinstance(rope.get(key), (int, float)):
+            raise ValueError(f"rope scaling {kind!r} in config.json needs a numeric {key!r}")
+    scaling = {**rope, "rope_type": kind}
+    if kind == "llama3":  # (transformers' default for the pre-scaling length)
+        scaling.setdefault("original_max_position_embeddings", c.get("max_position_embeddings", 2048))
+    return rope, scaling
+
+
 def _sliding_window(c: dict, family: str) -> int | None:
     """The attention window every layer uses, or None for full attention. transformers decides per
     layer: `layer_types` when config.json lists them, else for Qwen2/Qwen3 `use_sliding_window`, the
@@ -164,8 +195,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     """Llama 3.1 frequency-dependent scaling: long wavelengths scaled by `factor`, short ones kept,
     a smooth blend in between."""
     factor = s["factor"]
-    low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
-    old_len = s.get("original_max_position_embeddings", 8192)
+    low, high = s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
     low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv_freq
     smooth = (old_len / wavelen - low) / (high - low)

@@ -37,6 +37,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 class GenerationDefaults:
     eos_token_ids: list[int] = field(default_factory=list)
     sampling: dict = field(default_factory=dict)  # SamplingParams field -> default value
+    found: bool = False  # a generation_config.json was read (else config.json's EOS ids stand in)
 
 
 def load_generation_defaults(source: str, model_dir: str, overrides: dict | None = None) -> GenerationDefaults:
@@ -47,7 +48,8 @@ def load_generation_defaults(source: str, model_dir: str, overrides: dict | None
     folder = model_dir if source in ("auto", "vllm") else source
     path = os.path.join(folder, "generation_config.json")
     g = {}
-    if os.path.isfile(path):
+    found = os.path.isfile(path)
+    if found:
         with open(path) as f:
             g = json.load(f)
     elif source not in ("auto", "vllm"):
@@ -60,4 +62,4 @@ def load_generation_defaults(source: str, model_dir: str, overrides: dict | None
     sampling = {ours: g[theirs] for theirs, ours in _SAMPLING_KEYS.items() if g.get(theirs) is not None}
     if sampling.get("top_k") == 0:
         sampling["top_k"] = -1
-    return GenerationDefaults(eos_token_ids=eos_ids, sampling=sampling)
+    return GenerationDefaults(eos_token_ids=eos_ids, sampling=sampling, found=found)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import zlib
 from types import SimpleNamespace
@@ -13,6 +14,8 @@ from safetensors import safe_open
 
 from arcserve.models.config import ModelConfig
 from arcserve.models.decoder import DecoderModel, LayerWeights
+
+log = logging.getLogger(__name__)
 
 
 def weight_files(model_dir: str) -> list[str]:
@@ -26,6 +29,9 @@ def weight_files(model_dir: str) -> list[str]:
                 f"{model_dir}: model.safetensors.index.json names shards that are missing: {missing}"
             )
         return [os.path.join(model_dir, s) for s in shards]
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):  # (other *.safetensors beside it, e.g. another precision's, are not read)
+        return [single]
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if files:
         return files
@@ -74,11 +80,18 @@ class _Weights:
     def __init__(self, files: list[str], dtype: torch.dtype, device: torch.device, cfg: ModelConfig) -> None:
         self.dtype, self.device = dtype, device
         self.shapes = expected_shapes(cfg, "all")
-        self.where: dict[str, tuple] = {}  # our name -> (file handle, key in the file)
+        self.where: dict[str, tuple] = {}  # our name -> (file handle, key in the file, file path)
         for path in files:
             h = safe_open(path, framework="pt")
             for key in h.keys():
-                self.where[key.removeprefix("model.")] = (h, key)
+                name = key.removeprefix("model.")
+                if name in self.where:
+                    raise ValueError(
+                        f"weight {key!r} is in both {os.path.basename(self.where[name][2])} and "
+                        f"{os.path.basename(path)}; a model split over several files needs "
+                        "model.safetensors.index.json to say which file holds each weight"
+                    )
+                self.where[name] = (h, key, path)
 
     def has(self, name: str) -> bool:
         return name in self.where
@@ -86,7 +99,7 @@ class _Weights:
     def get(self, name: str) -> torch.Tensor:
         if name not in self.where:
             raise ValueError(f"weight {name!r} is missing from the checkpoint")
-        h, key = self.where[name]
+        h, key, _ = self.where[name]
         t = h.get_tensor(key)
         want = self.shapes.get(name)
         if want is not None and tuple(t.shape) != want:
@@ -126,11 +139,23 @@ class _DummyWeights:
         return self.get(name) if self.has(name) else None
 
 
-def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts, dim=0).contiguous()
+
+
+def _biases(w, names: list[str], wanted: bool) -> torch.Tensor | None:
+    """The projections' biases, stacked, when config.json gives them biases (as transformers, a
+    bias the config does not ask for is not used, even when the file has it; one it asks for and
+    the file lacks is zero); None when none are used."""
+    if not wanted:
+        return None
+    parts = [w.opt(n) for n in names]
     if all(p is None for p in parts):
         return None
-    assert all(p is not None for p in parts), "some projections have a bias and some do not"
-    return torch.cat(parts, dim=0).contiguous()
+    missing = [n for n, p in zip(names, parts) if p is None]
+    if missing:
+        raise ValueError(f"the checkpoint has some of {names} but not {missing}")
+    return _cat(parts)
 
 
 def load_model(
@@ -154,22 +179,25 @@ def load_model(
             LayerWeights(
                 input_norm=w.get(p + "input_layernorm.weight"),
                 qkv=_cat([w.get(a + f"{x}_proj.weight") for x in "qkv"]),
-                qkv_bias=_cat([w.opt(a + f"{x}_proj.bias") for x in "qkv"]),
+                qkv_bias=_biases(w, [a + f"{x}_proj.bias" for x in "qkv"], cfg.qkv_bias),
                 o=w.get(a + "o_proj.weight"),
-                o_bias=w.opt(a + "o_proj.bias"),
+                o_bias=_biases(w, [a + "o_proj.bias"], cfg.o_bias),
                 q_norm=w.opt(a + "q_norm.weight") if cfg.family.qk_norm else None,
                 k_norm=w.opt(a + "k_norm.weight") if cfg.family.qk_norm else None,
                 post_norm=w.get(p + "post_attention_layernorm.weight"),
                 gate_up=_cat([w.get(m + "gate_proj.weight"), w.get(m + "up_proj.weight")]),
-                gate_up_bias=_cat([w.opt(m + "gate_proj.bias"), w.opt(m + "up_proj.bias")]),
+                gate_up_bias=_biases(w, [m + "gate_proj.bias", m + "up_proj.bias"], cfg.mlp_bias),
                 down=w.get(m + "down_proj.weight"),
-                down_bias=w.opt(m + "down_proj.bias"),
+                down_bias=_biases(w, [m + "down_proj.bias"], cfg.mlp_bias),
             )
         )
         if cfg.family.qk_norm and layers[-1].q_norm is None:
             raise ValueError(f"{cfg.architecture} needs {a}q_norm.weight, missing from the checkpoint")
     embed = w.get("embed_tokens.weight")
     lm_head = embed if cfg.tie_word_embeddings else w.get("lm_head.weight")
+    if cfg.tie_word_embeddings and w.has("lm_head.weight") and not torch.equal(w.get("lm_head.weight"), embed):
+        log.warning("config.json ties the LM head to the embeddings (tie_word_embeddings), so the checkpoint's "
+                    "own, different lm_head.weight is not used (as in vLLM; transformers 5 would use it)")  # fmt: skip
     pack = ops.pack_linear_weight
     for lw in layers:
         lw.qkv, lw.o, lw.gate_up, lw.down = pack(lw.qkv), pack(lw.o), pack(lw.gate_up), pack(lw.down)

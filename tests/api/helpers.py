@@ -203,7 +203,7 @@ def cli_server(model_dir, log_path, *flags: str, env: dict | None = None,
     port = free_port()
     cmd = [sys.executable, "-m", "arcserve.cli", "serve", str(model_dir), "--host", HOST, "--port", str(port),
            "--dtype", "float32", *flags]  # fmt: skip
-    env = {**{k: v for k, v in os.environ.items() if k != "ARCSERVE_API_KEY"}, **(env or {})}
+    env = {**{k: v for k, v in os.environ.items() if k not in ("ARCSERVE_API_KEY", "VLLM_API_KEY")}, **(env or {})}
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:

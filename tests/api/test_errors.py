@@ -316,6 +316,21 @@ def test_api_key_required(keyed):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_several_api_keys():
+    """--api-key k1 k2 (vLLM's): any of the keys opens the API, nothing else does."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from arcserve.api.server import APIKeyMiddleware
+
+    app = APIKeyMiddleware(Starlette(routes=[Route("/v1/models", lambda _: PlainTextResponse("ok"))]), ["k1", "k2"])
+    with TestClient(app) as c:
+        codes = [c.get("/v1/models", headers={"Authorization": f"Bearer {k}"}).status_code for k in ("k1", "k2", "k", "")]
+    assert codes == [200, 200, 401, 401]
+
+
 def test_open_paths_without_key(keyed):
     for path in ("/health", "/metrics", "/ping", "/version"):
         assert httpx.get(keyed.base + path, timeout=10).status_code == 200, path

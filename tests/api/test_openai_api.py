@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from tiny_models import copy_with_bos_tokenizer
+from tiny_models import copy_with_bos_tokenizer, text_of
 
 from .helpers import MODEL, serve, sse_data
 
@@ -76,7 +76,7 @@ def test_completions_equal_transformers_greedy(client, hf):
         assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
         (choice,) = r.choices
         assert choice.index == 0 and choice.finish_reason == "length"
-        assert choice.text == hf.tok.decode(expected, skip_special_tokens=True)
+        assert choice.text == text_of(hf.tok, expected, skip_special_tokens=True)
         assert usage_of(r.usage) == (len(ids), 20, len(ids) + 20)
 
 
@@ -105,7 +105,7 @@ def test_chat_equals_transformers_greedy(client, hf):
     assert r.object == "chat.completion" and r.model == MODEL and r.id.startswith("chatcmpl-")
     (choice,) = r.choices
     assert choice.message.role == "assistant" and choice.finish_reason == "length"
-    assert choice.message.content == hf.tok.decode(expected, skip_special_tokens=True)
+    assert choice.message.content == text_of(hf.tok, expected, skip_special_tokens=True)
     assert usage_of(r.usage) == (len(ids), 20, len(ids) + 20)
     # content given as a text part renders the same prompt (several parts: one per line, below);
     # max_completion_tokens is max_tokens' new name
@@ -135,7 +135,7 @@ def test_default_max_tokens_and_eos(client, hf):
             text = r.choices[0].text
         assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] is None
         assert usage_of(r.usage) == (len(ids), n, len(ids) + n)
-        assert text == hf.tok.decode(cont[: n - 1], skip_special_tokens=True)
+        assert text == text_of(hf.tok, cont[: n - 1], skip_special_tokens=True)
         # ignore_eos runs past it
         long = client.completions.create(
             model=MODEL, prompt=ids, max_tokens=n + 5, **GREEDY, extra_body=NO_EOS
@@ -192,7 +192,7 @@ def test_truncate_prompt_tokens(client, hf):
     r = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, echo=True, **GREEDY,
                                   extra_body={**NO_EOS, "truncate_prompt_tokens": 100})  # fmt: skip
     assert r.usage.prompt_tokens == 100
-    assert r.choices[0].text == hf.tok.decode(ids[-100:]) + hf.tok.decode(expected)
+    assert r.choices[0].text == hf.tok.decode(ids[-100:]) + text_of(hf.tok, expected)
     conv = [{"role": "user", "content": "word " * 400}]
     r = client.chat.completions.create(model=MODEL, messages=conv, **GREEDY,
                                        extra_body={**NO_EOS, "truncate_prompt_tokens": -1})  # fmt: skip
@@ -239,7 +239,7 @@ def test_chat_continue_final_message(client, hf):
     r = client.chat.completions.create(model=MODEL, messages=conv, max_tokens=8, **GREEDY,
                                        extra_body={**NO_EOS, "continue_final_message": True,
                                                    "add_generation_prompt": False})  # fmt: skip
-    assert r.choices[0].message.content == hf.tok.decode(expected, skip_special_tokens=True)
+    assert r.choices[0].message.content == text_of(hf.tok, expected, skip_special_tokens=True)
     assert r.usage.prompt_tokens == len(ids)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=conv, max_tokens=2,
@@ -447,7 +447,7 @@ def test_stop_strings(client, hf):
     prompt = PROMPTS[0]
     ids = hf.tok.encode(prompt)
     cont = hf.greedy(ids, 40)
-    base = hf.tok.decode(cont, skip_special_tokens=True)
+    base = text_of(hf.tok, cont, skip_special_tokens=True)
     # a 2-character stop string that first occurs well inside the text
     at = next(
         i
@@ -473,7 +473,7 @@ def test_stop_strings(client, hf):
     assert absent.text == base and absent.finish_reason == "length"
     # chat: same rule
     chat_ids = hf.chat_ids(MESSAGES)
-    chat_base = hf.tok.decode(hf.greedy(chat_ids, 30), skip_special_tokens=True)
+    chat_base = text_of(hf.tok, hf.greedy(chat_ids, 30), skip_special_tokens=True)
     cat = next(
         i
         for i in range(3, len(chat_base) - 1)
@@ -495,10 +495,10 @@ def test_stop_token_ids(client, hf):
     assert c.finish_reason == "stop" and c.model_extra["stop_reason"] == tok
     assert r.usage.completion_tokens == n
     # as in vLLM, the stop token counts as generated but its text stays out (unless asked for)
-    assert c.text == hf.tok.decode(cont[: n - 1], skip_special_tokens=True)
+    assert c.text == text_of(hf.tok, cont[: n - 1], skip_special_tokens=True)
     r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, **GREEDY,
                                   extra_body={**NO_EOS, "stop_token_ids": [tok], "include_stop_str_in_output": True})  # fmt: skip
-    assert r.choices[0].text == hf.tok.decode(cont[:n], skip_special_tokens=True)
+    assert r.choices[0].text == text_of(hf.tok, cont[:n], skip_special_tokens=True)
 
 
 # ---- logprobs ---------------------------------------------------------------------------------
@@ -607,9 +607,11 @@ def test_streamed_text_offsets_equal_non_streamed(client, echo):
     kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, logprobs=1, echo=echo, **GREEDY, extra_body=NO_EOS)
     full = client.completions.create(**kw).choices[0]
     lp = full.logprobs
-    # non-streamed: every token sits at its offset, and the offsets add up the token strings
-    assert all(full.text[o:].startswith(t) for o, t in zip(lp.text_offset, lp.tokens))
+    # non-streamed: the offsets add up the token strings, which spell the text (less the U+FFFD of
+    # bytes the last tokens left short of a character: as in vLLM, they stay out of the text)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert "".join(lp.tokens).rstrip("\ufffd") == full.text
+    assert all(full.text[o:].startswith(t) for o, t in zip(lp.text_offset, lp.tokens) if o < len(full.text))
     streamed = [o for ch in client.completions.create(stream=True, **kw) for c in ch.choices if c.logprobs
                 for o in c.logprobs.text_offset]  # fmt: skip
     assert streamed == lp.text_offset
@@ -694,7 +696,7 @@ def test_usage_exact_for_stops_and_eos(client, hf):
         n = len(r.choices[0].logprobs.tokens)
         assert usage_of(r.usage) == (len(ids), n, len(ids) + n)
         cont = hf.greedy(ids, n)
-        assert r.choices[0].text == hf.tok.decode(cont, skip_special_tokens=True).split("e")[0]
+        assert r.choices[0].text == text_of(hf.tok, cont, skip_special_tokens=True).split("e")[0]
 
 
 def test_tokenize_detokenize(server, hf):
@@ -727,7 +729,7 @@ def test_add_special_tokens_field(bos_server, hf):
     for flag, ids in ((None, special), (True, special), (False, plain)):
         extra = {} if flag is None else {"add_special_tokens": flag}
         r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, extra_body=extra)
-        assert r.usage.prompt_tokens == len(ids) and r.choices[0].text == tok.decode(hf.greedy(ids, 4))
+        assert r.usage.prompt_tokens == len(ids) and r.choices[0].text == text_of(tok, hf.greedy(ids, 4))
         body = {"prompt": PROMPTS[0], **extra}
         assert bos_server.post("/tokenize", json=body).json()["tokens"] == ids
     templated = hf.chat_ids(MESSAGES)
@@ -735,7 +737,7 @@ def test_add_special_tokens_field(bos_server, hf):
         extra = {} if flag is None else {"add_special_tokens": flag}
         r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0,
                                            extra_body=extra)  # fmt: skip
-        assert r.usage.prompt_tokens == len(ids) and r.choices[0].message.content == tok.decode(hf.greedy(ids, 4))
+        assert r.usage.prompt_tokens == len(ids) and r.choices[0].message.content == text_of(tok, hf.greedy(ids, 4))
         assert bos_server.post("/tokenize", json={"messages": MESSAGES, **extra}).json()["tokens"] == ids
 
 

@@ -31,15 +31,23 @@ def test_cli_serve_subprocess(llama_dir, tmp_path):
 
 def test_cli_serve_vllm_flags(llama_dir, tmp_path):
     """vLLM's spellings: --model as a flag, several --served-model-name (responses carry the first),
-    a readable --max-model-len, an inline --chat-template, --chat-template-content-format."""
+    a readable --max-model-len, an inline --chat-template, --chat-template-content-format, log levels
+    in capitals, --enable-chunked-prefill, --no-... forms, --disable-fastapi-docs,
+    --enable-request-id-headers; its VLLM_API_KEY variable sets the key."""
     from transformers import AutoTokenizer
 
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
     flags = ("--model", str(llama_dir), "--served-model-name", "main", "alias", "--max-model-len", "0.25K",
              "--num-gpu-blocks-override", "256", "--chat-template", template, "--chat-template-content-format",
-             "openai", "--log-level", "warning")  # fmt: skip
-    with cli_server(llama_dir, tmp_path / "serve.log", *flags) as (_, base):
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
+             "openai", "--log-level", "WARNING", "--enable-chunked-prefill", "--no-trust-remote-code",
+             "--no-enforce-eager", "--disable-uvicorn-access-log", "--disable-fastapi-docs",
+             "--enable-request-id-headers")  # fmt: skip
+    with cli_server(llama_dir, tmp_path / "serve.log", *flags, env={"VLLM_API_KEY": "vk"}) as (_, base):
+        refused = httpx.get(f"{base}/v1/models", headers={"X-Request-Id": "abc"}, timeout=10)
+        assert refused.status_code == 401 and refused.headers["x-request-id"] == "abc"
+        assert httpx.get(f"{base}/openapi.json", timeout=10).status_code == 404
+        assert len(httpx.get(f"{base}/health", timeout=10).headers["x-request-id"]) == 32
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="vk", max_retries=0, timeout=60)
         models = client.models.list().data
         assert [m.id for m in models] == ["main", "alias"] and models[0].model_extra["max_model_len"] == 256
         r = client.chat.completions.create(model="alias", messages=[{"role": "user", "content": "hi there"}],
@@ -53,6 +61,25 @@ def test_cli_serve_vllm_flags(llama_dir, tmp_path):
         assert r.usage.prompt_tokens == len(tok.encode(f"<user>{parts}"))
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="other", prompt="x", max_tokens=1)
+
+
+def test_cli_serve_checks_its_address_before_loading(llama_dir, capsys):
+    """A port that is taken fails at once (the socket is bound before the model loads, as vLLM
+    does), one out of range when the flags are read."""
+    import socket
+
+    from arcserve.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        t0 = time.monotonic()
+        assert main(["serve", str(llama_dir), "--port", str(taken.getsockname()[1]), "--num-kv-blocks", "4"]) == 2
+        assert time.monotonic() - t0 < 5 and "cannot listen on 127.0.0.1:" in capsys.readouterr().err
+    for bad in ("70000", "-1"):
+        with pytest.raises(SystemExit):
+            main(["serve", str(llama_dir), "--port", bad])
+        assert "must be a number in [0, 65535]" in capsys.readouterr().err
 
 
 def test_cli_serve_logging_flags(llama_dir, tmp_path):
@@ -71,7 +98,7 @@ def test_cli_serve_logging_flags(llama_dir, tmp_path):
         assert ("Avg generation throughput: " in text) == logged, text
         assert ("CPU KV cache usage: " in text) == logged
         assert ("Received request " in text) == logged
-        assert ("Uvicorn running on" in text) == logged  # --uvicorn-log-level error hides uvicorn's INFO lines
+        assert ("Application startup complete" in text) == logged  # --uvicorn-log-level error hides uvicorn's INFO lines
         if logged:
             line = next(x for x in text.splitlines() if "Received request " in x)
             assert "prompt: 'The q', " in line and "prompt_token_ids: [" in line and "max_tokens=4" in line

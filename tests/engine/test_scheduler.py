@@ -235,6 +235,115 @@ def test_custom_policy():
     assert plan(out) == [("short", 5, 1, True)]  # FCFS would have preempted short instead
 
 
+POLICY_FILE = """
+from arcserve.engine.policy import SchedulingPolicy
+
+class LongestPromptFirst(SchedulingPolicy):
+    def __init__(self):
+        self.seen = []
+
+    def key(self, req):
+        self.seen.append(req.request_id)
+        return (-req.num_prompt_tokens, req.seq_no)
+"""
+
+
+def test_policy_from_a_file_or_module(tmp_path):
+    """A policy named "FILE.py:Class" or "package.module:Class" (the CLI's --scheduling-policy takes
+    the same); what is wrong with it is said before anything runs."""
+    f = tmp_path / "lpf.py"
+    f.write_text(POLICY_FILE)
+    policy = make_policy(f"{f}:LongestPromptFirst")
+    assert type(policy).__name__ == "LongestPromptFirst" and make_policy(type(policy)).seen == []
+    assert isinstance(make_policy("arcserve.engine.policy:PriorityPolicy"), PriorityPolicy)
+    sched = Scheduler(KVCacheManager(64, BS), policy, 1, 64, 128)
+    for i, n in enumerate([3, 9, 6]):
+        sched.add_request(make_req(f"r{i}", prompt(n, 20 * i), max_tokens=2))
+    assert run_to_end(sched)[0] == ["r1", "r2", "r0"]
+    (tmp_path / "broken.py").write_text("def key(:\n")
+    (tmp_path / "other.py").write_text("class NotAPolicy: pass\n")
+    for spec, message in [
+        (f"{tmp_path}/nope.py:X", "no file"),
+        (f"{tmp_path}/broken.py:X", "loading .*broken.py raised SyntaxError"),
+        (f"{f}:Missing", "has no SchedulingPolicy subclass 'Missing' \\(it has LongestPromptFirst\\)"),
+        (f"{tmp_path}/other.py:NotAPolicy", "has no SchedulingPolicy subclass 'NotAPolicy'"),
+        ("no_such_module_xyz:P", "cannot import no_such_module_xyz"),
+        (3, "scheduling_policy must be one of"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            make_policy(spec)
+
+
+class _Touchy(SchedulingPolicy):
+    """Raises for long prompts; keys of another type for prompts of 7 tokens; fails when asked to
+    requeue a preempted request."""
+
+    def key(self, req: Request):
+        if req.num_prompt_tokens > 12:
+            raise RuntimeError("too long for me")
+        if req.num_computed_tokens:
+            raise RuntimeError("no second chances")
+        return "seven" if req.num_prompt_tokens == 7 else (req.num_prompt_tokens, req.seq_no)
+
+
+def test_a_failing_policy_refuses_the_request_and_changes_nothing(llama_dir):
+    """Researchers' policy code that raises, or gives keys that do not compare with the queue's, refuses
+    that request (ValueError naming the policy) and leaves no trace; a policy that fails while
+    requeueing a preempted request fails that step's requests, and the engine drains."""
+    from arcserve import EngineArgs, LLMEngine
+
+    engine = LLMEngine(EngineArgs(model=str(llama_dir), dtype="float32", scheduling_policy=_Touchy(),
+                                  num_kv_blocks=6, block_size=4, max_model_len=24))  # fmt: skip
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    engine.add_request("ok", prompt(5), sp)
+    for rid, n, message in [("long", 13, "too long for me"), ("mixed", 7, "TypeError")]:
+        with pytest.raises(ValueError, match=f"request_id '{rid}': the scheduling policy \\(_Touchy\\) failed on it.*{message}"):
+            engine.add_request(rid, prompt(n, 30), sp)
+        assert engine.get_num_unfinished_requests() == 1 and rid not in engine.scheduler.requests
+    engine.add_request("long", prompt(9, 40), sp)  # the id is free again
+    outs, failed = {}, []
+    for _ in range(50):
+        if not engine.has_unfinished_requests():
+            break
+        try:
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
+        except RuntimeError as e:
+            assert "no second chances" in str(e)
+            failed += engine.fail_step()[1]
+    assert not engine.has_unfinished_requests() and failed  # 6 blocks of 4 cannot hold both: a preemption
+    assert engine.scheduler.requests == {} and engine.kv.usage() == 0.0
+    assert sorted(set(outs) | set(failed)) == ["long", "ok"]
+
+
+def test_priority_with_a_custom_policy(llama_dir):
+    """priority is taken by any policy but FCFS (a researcher's own reads req.priority)."""
+    from arcserve import LLM
+
+    class Mine(PriorityPolicy):
+        pass
+
+    llm = LLM(str(llama_dir), dtype="float32", scheduling_policy=Mine(), max_num_seqs=1)
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": prompt(5, 10 * i)} for i in range(3)], sp, priority=[2, 0, 1],
+                        use_tqdm=False)  # fmt: skip
+    firsts = [o.metrics.first_token_time for o in outs]
+    assert firsts[1] < firsts[2] < firsts[0]
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        llm.generate("x", sp, priority=["high"], use_tqdm=False)
+
+
+def test_cli_takes_a_policy_file(llama_dir, tmp_path, capsys):
+    from arcserve.cli import main
+
+    f = tmp_path / "lpf.py"
+    f.write_text(POLICY_FILE)
+    args = ["generate", str(llama_dir), "--prompt", "hi", "--max-tokens", "2", "--dtype", "float32"]
+    assert main([*args, "--scheduling-policy", f"{f}:LongestPromptFirst"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--scheduling-policy", f"{f}:Nope"]) == 2
+    assert "has no SchedulingPolicy subclass 'Nope'" in capsys.readouterr().err
+
+
 # ---- statistics -------------------------------------------------------------------------------
 
 

@@ -70,7 +70,8 @@ def _table(head_dim: int, max_pos: int, llama3: bool, rot: int | None = None) ->
     dim = rot or head_dim
     inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2).float() / dim))
     if llama3:
-        inv = _llama3_inv_freq(inv, {"factor": 8.0, "original_max_position_embeddings": 64})
+        s = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        inv = _llama3_inv_freq(inv, s)
     f = torch.outer(torch.arange(max_pos).float(), inv)
     return torch.cat((f.cos(), f.sin()), -1).to(DEVICE)
 
