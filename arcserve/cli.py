@@ -181,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="larger request bodies get 413 (e.g. 16M)")  # fmt: skip
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
     s.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
+    s.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='logprobs name tokens "token_id:<id>" instead of by their text (every request)')  # fmt: skip
     s.add_argument("--enable-request-id-headers", action="store_true",
                    help="responses carry X-Request-Id (the request's own, else a fresh one)")  # fmt: skip
     s.add_argument("--allowed-origins", default=None,

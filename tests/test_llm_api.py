@@ -163,6 +163,13 @@ def test_chat_content_parts_tools_and_formats(llm):
     assert out.prompt == "get_weather;hi"
     with pytest.raises(ValueError, match="text parts"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy(2))
+    # an assistant's tool calls: JSON arguments reach the template as a mapping ({} for text that is no
+    # JSON object), as vLLM passes them
+    calls = [{"function": {"name": "f", "arguments": '{"x": 1}'}}, {"function": {"name": "g", "arguments": "[1]"}}]
+    args = "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }};{% endfor %}{% endfor %}"
+    out = llm.chat([{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": calls}], greedy(2),
+                   use_tqdm=False, chat_template=args, add_generation_prompt=False)  # fmt: skip
+    assert out[0].prompt == '{"x": 1};{};'
     with pytest.raises(ValueError, match="chat_template_content_format"):
         llm.chat(conv, greedy(2), chat_template_content_format="json")
     with pytest.raises(ValueError, match="needs a 'role'"):

@@ -12,12 +12,11 @@ surrogates such as "\\ud800", which tokenizers and UTF-8 refuse).
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
-from arcserve.engine.chat_content import join_texts
+from arcserve.engine.chat_content import join_texts, text_of_part
 from arcserve.sampling_params import MAX_LOGPROBS, TRUNCATION_RANGE, SamplingParams, valid_truncation
 
 MAX_N = 128
@@ -83,6 +82,7 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    return_token_ids: bool = False  # vLLM's: the prompt's and the answer's token ids in the response
     # Structured output (OpenAI's response_format, vLLM's guided_* and structured_outputs) needs
     # constrained decoding, which arcserve does not have: such requests are refused (unsupported()),
     # never answered unconstrained.
@@ -95,11 +95,11 @@ class _Sampling(BaseModel):
     # vLLM sampling extras arcserve does not implement: refused when they ask for something
     use_beam_search: bool | None = None
     logits_processors: list[Any] | None = None
-    return_tokens_as_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:<id>" (vLLM's)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: room for max_tokens
 
     @field_validator("n", "presence_penalty", "frequency_penalty", "stream", "min_tokens", "ignore_eos",
-                     "skip_special_tokens", "include_stop_str_in_output", "priority", "echo", "logprobs",
+                     "skip_special_tokens", "include_stop_str_in_output", "priority", "return_token_ids", "echo", "logprobs",
                      "add_special_tokens", mode="before", check_fields=False)  # fmt: skip  (the last three: subclasses')
     @classmethod
     def _null_is_default(cls, v, info):  # OpenAI's spec lets clients send null for "the default"
@@ -116,7 +116,7 @@ class _Sampling(BaseModel):
             return "stream_options", "stream_options needs stream=true (as in vLLM)"
         if self.prompt_logprobs is not None and self.stream:
             return "prompt_logprobs", "prompt_logprobs are not available with stream=true (as in vLLM)"
-        for name in ("use_beam_search", "logits_processors", "return_tokens_as_token_ids"):
+        for name in ("use_beam_search", "logits_processors"):
             v = getattr(self, name)
             if v is not None and v is not False and v != []:
                 return name, f"{name} is not supported by arcserve; leave it out"
@@ -284,10 +284,17 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (history for the template)
     tool_call_id: str | None = None  # a tool message's answer to one
+    reasoning: str | None = None  # an assistant's earlier thinking (templates of reasoning models render it)
+    reasoning_content: str | None = None  # (its older name)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, v):  # (checked here: an error inside a union member reads "should be a valid string")
+        return [{"type": "text", "text": text_of_part(p)} for p in v] if isinstance(v, list) else v
 
     @field_validator("content", "name")
     @classmethod
-    def _unicode(cls, v, info):  # (text parts are checked here: an error inside a union member is unclear)
+    def _unicode(cls, v, info):
         return _valid_unicode(v, info.field_name)
 
     @property
@@ -307,19 +314,12 @@ class ChatMessage(BaseModel):
             d["name"] = self.name
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
-        if self.tool_calls:  # templates read arguments as a mapping; OpenAI sends them as JSON text (vLLM parses)
-            d["tool_calls"] = [_parsed_arguments(c) for c in self.tool_calls]
+        if self.tool_calls:  # (their JSON arguments are parsed for the template in engine/chat_content.py)
+            d["tool_calls"] = self.tool_calls
+        thinking = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if thinking is not None:  # under both names, as vLLM hands it to templates
+            d["reasoning"] = d["reasoning_content"] = thinking
         return d
-
-
-def _parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
-    fn = call.get("function")
-    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-        try:
-            return {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
-        except json.JSONDecodeError:
-            pass
-    return call
 
 
 class ChatCompletionRequest(_Sampling):
@@ -335,7 +335,8 @@ class ChatCompletionRequest(_Sampling):
     chat_template: str | None = None  # used only when the server trusts request templates (vLLM's rule)
     echo: bool = False  # the last message's content in front of the answer, when it is the answer's role
     # Tool calling needs a tool-call parser, which arcserve does not have: tools are refused, not
-    # silently left out of the prompt; tool_choice only as "none" or "auto" without tools.
+    # silently left out of the prompt, unless tool_choice is "none" (then only rendered, as vLLM);
+    # tool_choice only as "none" or "auto" without tools.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
@@ -343,9 +344,10 @@ class ChatCompletionRequest(_Sampling):
 
     def unsupported(self) -> tuple[str, str] | None:
         for name in ("tools", "functions"):
-            if getattr(self, name):
+            if getattr(self, name) and not (name == "tools" and self.tool_choice == "none"):
                 return name, (
-                    f"{name} are not supported: arcserve has no tool calling (no tool-call parser); leave {name} out"
+                    f"{name} are not supported: arcserve has no tool calling (no tool-call parser); leave {name} "
+                    "out, or send tool_choice 'none' to have the tools only rendered into the prompt"
                 )
         for name in ("tool_choice", "function_call"):
             v = getattr(self, name)
@@ -362,6 +364,9 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None  # the tokenizer's own special tokens: prompt True, messages False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages, as in a chat request
+    tools: list[dict[str, Any]] | None = None  # rendered by the template, as in a chat request
+    chat_template: str | None = None  # only where the server trusts request templates
 
     @field_validator("prompt")
     @classmethod

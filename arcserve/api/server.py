@@ -146,19 +146,21 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str
               max_body_bytes: int = MAX_BODY_BYTES, cors: dict | None = None,
               trust_request_chat_template: bool = False, chat_template_content_format: str = "auto",
               log_stats: str | None = None, log_requests: bool = False, max_log_len: int | None = None,
-              response_role: str = "assistant", docs: bool = True, request_id_headers: bool = False) -> FastAPI:  # fmt: skip
+              response_role: str = "assistant", docs: bool = True, request_id_headers: bool = False,
+              tokens_as_ids: bool = False) -> FastAPI:  # fmt: skip
     """served_model_name: the name, or names, requests may give (responses and metrics carry the
     first, as vLLM's). cors: None (no CORS headers: browsers on other origins cannot call the API)
     or the keyword arguments of Starlette's CORSMiddleware (allow_origins, allow_methods,
     allow_headers, allow_credentials). log_stats: the KV cache's device label ("CPU", "GPU") for
     the periodic stats line (engine/stat_logger.py), None for none. log_requests, max_log_len,
     response_role: Serving's. docs=False: no /docs, /redoc, /openapi.json (--disable-fastapi-docs);
-    request_id_headers: X-Request-Id on every response (--enable-request-id-headers)."""
+    request_id_headers: X-Request-Id on every response (--enable-request-id-headers); tokens_as_ids:
+    --return-tokens-as-token-ids."""
     llm = engine.engine
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     served_model_name = names[0]
     serving = Serving(engine, served_model_name, trust_request_chat_template, chat_template_content_format,
-                      log_requests, max_log_len, response_role)  # fmt: skip
+                      log_requests, max_log_len, response_role, tokens_as_ids)  # fmt: skip
     registry = make_registry(llm.get_metrics, served_model_name)
 
     @contextlib.asynccontextmanager
@@ -278,8 +280,9 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str
         check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-        if body.messages is not None:
-            _, ids = await serving.render_chat(body, chat_template)
+        if body.messages is not None:  # (the template, its kwargs and tools as a chat request has them)
+            template = serving.request_template(body, chat_template)
+            _, ids = await serving.render_chat(body, template, body.chat_template_kwargs)
         else:
             special = True if body.add_special_tokens is None else body.add_special_tokens
             encode = functools.partial(llm.tokenizer.encode, add_special_tokens=special)
@@ -379,6 +382,11 @@ def run_server(args, engine_args) -> None:
     front = AsyncLLMProcess(engine_args, args.max_waiting_requests, threads)
     server = None
     try:
+        try:  # (as vLLM: a template that cannot render a plain conversation is said at startup)
+            front.engine.apply_chat_template([{"role": "user", "content": "hi"}], template)
+        except ValueError as e:
+            logger.warning("The chat template fails on a one-message conversation, so chat requests will get 400 "
+                           "until it is fixed (--chat-template): %s", e)  # fmt: skip
         name = args.served_model_name or [os.path.basename(os.path.normpath(engine_args.model))]
         stats = None if engine_args.disable_log_stats else device_label(device)
         app = build_app(front, name, api_key, template, args.metrics_require_key, args.max_request_body_bytes, cors,
@@ -386,7 +394,8 @@ def run_server(args, engine_args) -> None:
                         chat_template_content_format=args.chat_template_content_format, log_stats=stats,
                         log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
                         response_role=args.response_role, docs=not args.disable_fastapi_docs,
-                        request_id_headers=args.enable_request_id_headers)  # fmt: skip
+                        request_id_headers=args.enable_request_id_headers,
+                        tokens_as_ids=args.return_tokens_as_token_ids)  # fmt: skip
         routes = sorted(f"{','.join(sorted(r.methods or []))} {r.path}" for r in app.routes if hasattr(r, "methods"))
         logger.info("Routes: %s", "; ".join(routes))
         logger.info("Serving %s as %s on %s://%s:%d (API key %s; CORS %s)", engine_args.model,

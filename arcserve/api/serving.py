@@ -39,11 +39,15 @@ logger = logging.getLogger("arcserve")
 class Serving:
     def __init__(self, engine: AsyncLLM, model_name: str, trust_request_chat_template: bool = False,
                  chat_template_content_format: str = "auto", log_requests: bool = False,
-                 max_log_len: int | None = None, response_role: str = "assistant") -> None:  # fmt: skip
+                 max_log_len: int | None = None, response_role: str = "assistant",
+                 tokens_as_ids: bool = False) -> None:  # fmt: skip
         """log_requests: log each request as it arrives (vLLM's --enable-log-requests), its prompt
         text and ids cut to max_log_len characters and ids (None: whole). response_role: the role of
-        chat answers to a conversation given a generation prompt (vLLM's --response-role)."""
+        chat answers to a conversation given a generation prompt (vLLM's --response-role).
+        tokens_as_ids: logprobs name tokens "token_id:<id>" for every request
+        (--return-tokens-as-token-ids; a request's return_tokens_as_token_ids does it for that one)."""
         self.response_role = response_role
+        self.tokens_as_ids = tokens_as_ids
         self.trust_request_chat_template = trust_request_chat_template
         self.content_format = chat_template_content_format
         self.log_requests, self.max_log_len = log_requests, max_log_len
@@ -64,13 +68,23 @@ class Serving:
             out.append({"prompt_token_ids": ids, "prompt": text})
         return out
 
+    def request_template(self, body, chat_template: str | None) -> str | None:
+        """The template a chat (or /tokenize) request renders with: its own only where the server
+        trusts request templates (vLLM's rule), else the server's."""
+        if body.chat_template is None:
+            return chat_template
+        if not self.trust_request_chat_template:
+            raise APIError(400, "chat_template in a request needs a server started with "
+                           "--trust-request-chat-template (as in vLLM)", param="chat_template")  # fmt: skip
+        return body.chat_template
+
     async def render_chat(self, body, chat_template: str | None, kwargs: dict | None = None) -> tuple[str, list[int]]:
         """The request's messages through the chat template: (text, token ids); a long chat is
         rendered off the event loop; a template that fails on them is a 400."""
         messages = [m.as_template_dict() for m in body.messages]
         special = bool(body.add_special_tokens)  # (a tokenize request's None: False for messages, as vLLM)
         args = (messages, chat_template, body.add_generation_prompt, kwargs, body.continue_final_message, special,
-                None, self.content_format)  # fmt: skip
+                body.tools, self.content_format)  # fmt: skip
         try:
             return await off_loop(sum(len(m.text) for m in body.messages), self.llm.apply_chat_template, *args)
         except ValueError as e:
@@ -202,12 +216,13 @@ class Serving:
                 raise bad_request(e) from e
 
         streams = self._start(prompts, params_for, raw, body.priority, body.stream)
+        as_ids = self._as_ids(body)
         echo = [self._prompt_text(p) if body.echo else "" for p in prompts]
         rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.n
         if body.stream:
             return StreamingResponse(
                 self._stream_completions(streams, rid, created, n, echo, plens, _usage_mode(body), body.logprobs or 0,
-                                         body.echo_only),
+                                         body.echo_only, body.return_token_ids, as_ids),
                 media_type="text/event-stream",
             )
         outs = await self._finals(streams, raw)
@@ -218,25 +233,33 @@ class Serving:
                 completion += len(o.token_ids)
                 choices.append({
                     "index": i * n + o.index, "text": echo[i] + o.text,
-                    "logprobs": logprobs.echoed(out, o, body.logprobs, self._token_str) if body.echo
-                    else logprobs.completion(o, 0, body.logprobs or 0),
+                    "logprobs": logprobs.echoed(out, o, body.logprobs, self._token_str, as_ids) if body.echo
+                    else logprobs.completion(o, 0, body.logprobs or 0, as_ids),
                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
                     **({"prompt_logprobs": logprobs.prompt(out, body.prompt_logprobs)}
                        if body.prompt_logprobs is not None else {}),
+                    **({"prompt_token_ids": out.prompt_token_ids, "token_ids": list(o.token_ids)}
+                       if body.return_token_ids else {}),
                 })  # fmt: skip
         choices.sort(key=lambda c: c["index"])
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                              "choices": choices, "usage": self._usage(plens, completion)})  # fmt: skip
 
+    def _as_ids(self, body) -> bool:
+        return bool(body.return_tokens_as_token_ids) or self.tokens_as_ids
+
     def _prompt_text(self, p: dict) -> str:
         return p["prompt"] if p["prompt"] is not None else self.tokenizer.decode(p["prompt_token_ids"])
 
-    async def _stream_completions(self, streams, rid, created, n, echo, plens, usage_mode, k, echo_only=False):
+    async def _stream_completions(self, streams, rid, created, n, echo, plens, usage_mode, k, echo_only=False,
+                                  token_ids=False, as_ids=False):  # fmt: skip
         """usage_mode: None, "final" (a last chunk with the usage) or "every" (also in every chunk).
-        echo_only: echo with max_tokens 0, the one token the engine made left out."""
+        echo_only: echo with max_tokens 0, the one token the engine made left out. token_ids
+        (return_token_ids): each chunk's new token ids, a choice's first chunk the prompt's too."""
         completion = 0
         per_choice: dict[int, int] = {}
         echoed: set[int] = set()  # choices whose first chunk (the prompt's text and logprobs) went out
+        ids_sent: set[int] = set()  # choices whose prompt_token_ids went out (return_token_ids)
         offsets: dict[int, int] = {}
         # Each prompt's logprobs come with its first delta only; a choice whose first tokens come in
         # a later delta (its prompt computed a step later) echoes them from there.
@@ -257,16 +280,23 @@ class Serving:
                     # Offsets follow the tokens' own text (the streamed text is held back while a
                     # character or a possible stop string is incomplete).
                     start = 0 if first_echo else offsets.get(idx, 0)
-                    lp = logprobs.completion(o, start, k)
+                    lp = logprobs.completion(o, start, k, as_ids)
                     if lp is not None:
                         if first_echo:  # first chunk: the prompt's logprobs too, the tokens' offsets after them
-                            part = logprobs.prompt_part(out.prompt_token_ids, prompt_lps.get(i), k, self._token_str)
+                            part = logprobs.prompt_part(out.prompt_token_ids, prompt_lps.get(i), k, self._token_str,
+                                                        as_ids)  # fmt: skip
                             lp = logprobs.joined(part, lp)
                         offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else start
+                    choice = {"index": idx, "text": text, "logprobs": lp, "finish_reason": o.finish_reason,
+                              "stop_reason": o.stop_reason}  # fmt: skip
+                    if token_ids:
+                        if idx not in ids_sent:
+                            ids_sent.add(idx)
+                            choice["prompt_token_ids"] = out.prompt_token_ids
+                        choice["token_ids"] = list(o.token_ids)
                     yield self._sse({
                         "id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                        "choices": [{"index": idx, "text": text, "logprobs": lp, "finish_reason": o.finish_reason,
-                                     "stop_reason": o.stop_reason}],
+                        "choices": [choice],
                         # (every chunk: its own choice's usage so far, as vLLM reports it)
                         **({"usage": self._usage([plens[i]], per_choice[idx])} if usage_mode == "every" else {}),
                     })  # fmt: skip
@@ -280,11 +310,7 @@ class Serving:
     # ---- chat ----------------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, raw: Request, chat_template: str | None):
         self._refuse_unsupported(body)
-        if body.chat_template is not None:
-            if not self.trust_request_chat_template:
-                raise APIError(400, "chat_template in a request needs a server started with "
-                               "--trust-request-chat-template (as in vLLM)", param="chat_template")  # fmt: skip
-            chat_template = body.chat_template
+        chat_template = self.request_template(body, chat_template)
         requested = body.max_completion_tokens or body.max_tokens
         text, ids = self.llm.truncate_prompt(*await self.render_chat(body, chat_template, body.chat_template_kwargs),
                                              body.truncate_prompt_tokens, requested)  # fmt: skip
@@ -308,19 +334,25 @@ class Serving:
         echo = last.text if body.echo and last.role == role else ""
         if body.stream:
             return StreamingResponse(self._stream_chat(streams, rid, created, body.n, len(ids), _usage_mode(body), k,
-                                                       echo, role),
+                                                       echo, role, ids if body.return_token_ids else None,
+                                                       self._as_ids(body)),
                                      media_type="text/event-stream")  # fmt: skip
         (out,) = await self._finals(streams, raw)
         choices = [{
             "index": o.index, "message": {"role": role, "content": echo + o.text},
-            "logprobs": logprobs.chat(o, k), "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+            "logprobs": logprobs.chat(o, k, self._as_ids(body)), "finish_reason": o.finish_reason,
+            "stop_reason": o.stop_reason, **({"token_ids": list(o.token_ids)} if body.return_token_ids else {}),
         } for o in out.outputs]  # fmt: skip
         completion = sum(len(o.token_ids) for o in out.outputs)
         extra = {"prompt_logprobs": logprobs.prompt(out, body.prompt_logprobs)} if body.prompt_logprobs is not None else {}
+        if body.return_token_ids:
+            extra["prompt_token_ids"] = ids
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                              "choices": choices, "usage": self._usage([len(ids)], completion), **extra})  # fmt: skip
 
-    async def _stream_chat(self, streams, rid, created, n, plen, usage_mode, k, echo="", role="assistant"):
+    async def _stream_chat(self, streams, rid, created, n, plen, usage_mode, k, echo="", role="assistant",
+                           prompt_ids=None, as_ids=False):  # fmt: skip
+        """prompt_ids (return_token_ids): in the first chunk; each chunk then carries its new token ids."""
         def chunk(choices, **extra):
             if usage_mode == "every" and "usage" not in extra:  # the chunk's choice's usage so far (vLLM)
                 extra["usage"] = self._usage([plen], per_choice.get(choices[0]["index"], 0) if len(choices) == 1 else 0)
@@ -331,16 +363,20 @@ class Serving:
         per_choice: dict[int, int] = {}
         try:
             yield chunk([{"index": i, "delta": {"role": role, "content": echo}, "logprobs": None,
-                          "finish_reason": None} for i in range(n)])  # fmt: skip
+                          "finish_reason": None} for i in range(n)],
+                        **({"prompt_token_ids": prompt_ids} if prompt_ids is not None else {}))  # fmt: skip
             async for _i, out in self._merge(streams):
                 for o in out.outputs:
                     completion += len(o.token_ids)
                     per_choice[o.index] = per_choice.get(o.index, 0) + len(o.token_ids)
-                    if not o.text and o.finish_reason is None and o.logprobs is None:
+                    if not o.text and o.finish_reason is None and o.logprobs is None and prompt_ids is None:
                         continue  # a token that completes no character yet: nothing to send
-                    yield chunk([{"index": o.index, "delta": {"content": o.text} if o.text else {},
-                                  "logprobs": logprobs.chat(o, k), "finish_reason": o.finish_reason,
-                                  "stop_reason": o.stop_reason}])  # fmt: skip
+                    choice = {"index": o.index, "delta": {"content": o.text} if o.text else {},
+                              "logprobs": logprobs.chat(o, k, as_ids), "finish_reason": o.finish_reason,
+                              "stop_reason": o.stop_reason}  # fmt: skip
+                    if prompt_ids is not None:
+                        choice["token_ids"] = list(o.token_ids)
+                    yield chunk([choice])
             if usage_mode:
                 yield chunk([], usage=self._usage([plen], completion))
         except Exception as e:

@@ -9,12 +9,14 @@ A tool message's content is always text (most templates print a tool result as a
 OpenAI's "developer" role (the application's instructions; the newer name of "system") reaches a
 template that does not name it as "system", the system messages then merged into one in front
 (many templates take a system message only there), as vLLM renders it; a template that names the
-role gets it as it is.
+role gets it as it is. An assistant's tool calls reach the template with their arguments parsed
+from JSON text into a mapping, as vLLM passes them.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 
 FORMATS = ("auto", "string", "openai")
 
@@ -27,6 +29,26 @@ def template_messages(messages: list, content_format: str, template: str | None)
     if content_format == "auto":
         content_format = detect_content_format(template) if isinstance(template, str) else "string"
     return [_message(m, content_format) for m in developer_as_system(messages, template)]
+
+
+def _parsed_tool_calls(m: dict) -> dict:
+    """An assistant message whose tool calls carry their arguments as a mapping: OpenAI sends them
+    as JSON text, templates read them as a mapping (`| tojson`, `.items()`). As vLLM: text that is
+    not a JSON object becomes {}."""
+    calls = m.get("tool_calls")
+    if m.get("role") != "assistant" or not isinstance(calls, list):
+        return m
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                args = json.loads(fn["arguments"])
+            except json.JSONDecodeError:
+                args = {}
+            call = {**call, "function": {**fn, "arguments": args if isinstance(args, dict) else {}}}
+        out.append(call)
+    return {**m, "tool_calls": out}
 
 
 def developer_as_system(messages: list, template: str | None) -> list:
@@ -52,6 +74,7 @@ def _role(m) -> str | None:
 
 def _message(m, content_format: str) -> dict:
     texts = _texts(m)
+    m = _parsed_tool_calls(m)
     if content_format == "openai" and m["role"] != "tool":
         return {**m, "content": [{"type": "text", "text": t} for t in texts]}
     return {**m, "content": join_texts(texts)}
@@ -63,11 +86,7 @@ def _texts(m) -> list[str]:
         raise ValueError(f"Each chat message needs a 'role' (and its 'content'); got {m!r}")
     content = m.get("content")
     if isinstance(content, list):
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise ValueError(f"message content parts must be text parts ({{'type': 'text', 'text': ...}}; "
-                                 f"arcserve takes no images or audio); got {part!r}")  # fmt: skip
-        texts = [p["text"] for p in content]
+        texts = [text_of_part(p) for p in content]
     elif isinstance(content, str):
         texts = [content]
     elif content is None:
@@ -75,6 +94,20 @@ def _texts(m) -> list[str]:
     else:
         raise ValueError(f"message content must be a string or a list of text parts; got {type(content).__name__}")
     return texts
+
+
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
+
+
+def text_of_part(part) -> str:
+    """The text of a content part read as text, as vLLM reads them (text, input_text, output_text,
+    refusal, thinking); ValueError for any other (arcserve takes no images or audio)."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+    if key is None or not isinstance(part.get(key), str):
+        raise ValueError(f"message content parts must be text parts ({{'type': 'text', 'text': ...}}; arcserve "
+                         f"takes no images or audio); got {str(part)[:200]}")  # fmt: skip
+    return part[key]
 
 
 def join_texts(texts) -> str:

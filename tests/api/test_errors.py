@@ -61,7 +61,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools", "tool calling"),
     ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],
-                              "tool_choice": "none"}, "tools", "tool calling"),
+                              "tool_choice": "auto"}, "tools", "tool calling"),
     ("/v1/chat/completions", {"messages": USER, "tool_choice": "required"}, "tool_choice", "required"),
     ("/v1/chat/completions", {"messages": USER, "functions": [{"name": "f"}]}, "functions", "tool calling"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search", "not supported"),

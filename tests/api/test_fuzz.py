@@ -94,7 +94,7 @@ SEMANTICS = {
     "bad_words": {"type": "array", "items": _TEXT, "maxItems": 4},
     "truncate_prompt_tokens": {"anyOf": [{"type": "integer", "minimum": 1}, {"const": -1}]},
     "use_beam_search": {"const": False},
-    "return_tokens_as_token_ids": {"const": False},
+    "return_tokens_as_token_ids": {"type": "boolean"},
     "chat_template_kwargs": {
         "type": "object",
         "maxProperties": 2,

@@ -204,6 +204,61 @@ def test_truncate_prompt_tokens(client, hf):
 
 
 @pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
+def test_return_token_ids(server, hf, path):
+    """vLLM's return_token_ids: the prompt's token ids (completions: in each choice; chat: at the top)
+    and each choice's generated ids; streamed, every chunk has its new ids (chunks are not skipped
+    for tokens without text) and the prompt's come once, first."""
+    chat = path == "/chat/completions"
+    prompt_ids = hf.chat_ids(MESSAGES) if chat else hf.tok.encode(PROMPTS[1])
+    want = hf.greedy(prompt_ids, 12)
+    body = {"model": MODEL, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "n": 2, "return_token_ids": True,
+            **({"messages": MESSAGES} if chat else {"prompt": PROMPTS[1]})}  # fmt: skip
+    r = httpx.post(f"{server.v1}{path}", json=body, timeout=30).json()
+    for c in r["choices"]:
+        assert c["token_ids"] == want and (chat or c["prompt_token_ids"] == prompt_ids)
+    assert not chat or r["prompt_token_ids"] == prompt_ids
+    with httpx.stream("POST", f"{server.v1}{path}", json={**body, "stream": True}, timeout=30) as resp:
+        events = sse_data(resp)
+    got: dict = {0: [], 1: []}
+    for e in events:
+        for c in e["choices"]:
+            got[c["index"]] += c.get("token_ids") or []
+            if not chat and "prompt_token_ids" in c:
+                assert c["prompt_token_ids"] == prompt_ids and not got[c["index"]][: -len(c["token_ids"]) or None]
+    assert got == {0: want, 1: want}
+    if chat:
+        assert events[0]["prompt_token_ids"] == prompt_ids and all("prompt_token_ids" not in e for e in events[1:])
+    else:
+        assert sum("prompt_token_ids" in c for e in events for c in e["choices"]) == 2
+    plain = httpx.post(f"{server.v1}{path}", json={**body, "return_token_ids": None}, timeout=30).json()
+    assert all("token_ids" not in c for c in plain["choices"]) and "prompt_token_ids" not in plain
+
+
+def test_return_tokens_as_token_ids(server, hf):
+    """vLLM's return_tokens_as_token_ids: logprobs name each token (and its alternatives) "token_id:<id>",
+    streamed or not, echoed prompt included; text offsets add up those names."""
+    ids = hf.tok.encode(PROMPTS[0])
+    want = hf.greedy(ids, 6)
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "logprobs": 2, "return_tokens_as_token_ids": True}  # fmt: skip
+    lp = httpx.post(f"{server.v1}/completions", json=body, timeout=30).json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in want]
+    assert all(k.startswith("token_id:") for top in lp["top_logprobs"] for k in top)
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(want))]
+    with httpx.stream("POST", f"{server.v1}/completions", json={**body, "stream": True}, timeout=30) as r:
+        streamed = [t for e in sse_data(r) for c in e["choices"] if c["logprobs"] for t in c["logprobs"]["tokens"]]
+    assert streamed == lp["tokens"]
+    echoed = httpx.post(f"{server.v1}/completions", json={**body, "echo": True}, timeout=30).json()
+    assert echoed["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids + want]
+    chat = httpx.post(f"{server.v1}/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": True,
+        "top_logprobs": 2, "return_tokens_as_token_ids": True}).json()  # fmt: skip
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in hf.greedy(hf.chat_ids(MESSAGES), 4)]
+    assert all(c["bytes"] == list(c["token"].encode()) and len(c["top_logprobs"]) == 2 for c in content)
+
+
+@pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
 def test_continuous_usage_stats(server, path):
     """stream_options.continuous_usage_stats (with include_usage): every chunk carries the usage so
     far, the completion count never falls and ends at the final usage chunk's; without it, only
@@ -270,6 +325,41 @@ def test_chat_text_parts_one_per_line(server):
     joined = [{"role": "user", "content": "Translate this:\nBonjour"}]
     ids = [server.post("/tokenize", json={"model": MODEL, "messages": m}).json()["tokens"] for m in (parts, joined)]
     assert ids[0] == ids[1]
+
+
+TOOL_TEMPLATE = (
+    "{% for t in tools or [] %}<tool {{ t.function.name }}>{% endfor %}"
+    "{% if enable_thinking is defined and not enable_thinking %}<nothink>{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.reasoning_content or '' }}|{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}{% endfor %}"
+)
+
+
+def test_chat_history_with_tools_and_reasoning_renders_as_vllm(llama_dir):
+    """An assistant's tool calls reach the template with their JSON arguments as a mapping (not JSON
+    text; text that is no JSON object: {}), and its reasoning (reasoning_content) too; tools are
+    rendered when tool_choice is "none" (else refused: no tool-call parser); /tokenize takes
+    chat_template_kwargs and tools as a chat request does; text-like parts (refusal, input_text)
+    are text; an image part is a clear 400."""
+    calls = [{"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"city": "Paris"}'}},
+             {"id": "b", "type": "function", "function": {"name": "g", "arguments": "{bad"}}]  # fmt: skip
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "reasoning_content": "think", "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "a", "content": [{"type": "input_text", "text": "20C"}]},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}]  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with serve(llama_dir, app_kw={"chat_template": TOOL_TEMPLATE}) as s:
+        want = '<tool f><nothink><user>|hi<assistant>think|f{"city": "Paris"}g{}<tool>|20C<assistant>|no'
+        body = {"model": MODEL, "messages": messages, "tools": tools, "chat_template_kwargs": {"enable_thinking": False}}
+        ids = s.post("/tokenize", json={**body, "add_generation_prompt": False}).json()["tokens"]
+        assert s.post("/detokenize", json={"tokens": ids}).json()["prompt"] == want
+        chat = s.post("/v1/chat/completions", json={**body, "tool_choice": "none", "max_tokens": 1})
+        assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] >= len(ids)
+        refused = s.post("/v1/chat/completions", json={**body, "max_tokens": 1})
+        assert refused.status_code == 400 and "tool_choice 'none'" in refused.json()["error"]["message"]
+        image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+        r = s.post("/v1/chat/completions", json={"model": MODEL, "messages": image, "max_tokens": 1})
+        assert r.status_code == 400 and "takes no images or audio" in r.json()["error"]["message"]
 
 
 def test_developer_role_renders_as_system(server):

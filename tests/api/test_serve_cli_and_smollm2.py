@@ -33,7 +33,7 @@ def test_cli_serve_vllm_flags(llama_dir, tmp_path):
     """vLLM's spellings: --model as a flag, several --served-model-name (responses carry the first),
     a readable --max-model-len, an inline --chat-template, --chat-template-content-format, log levels
     in capitals, --enable-chunked-prefill, --no-... forms, --disable-fastapi-docs,
-    --enable-request-id-headers; its VLLM_API_KEY variable sets the key."""
+    --enable-request-id-headers, --return-tokens-as-token-ids; its VLLM_API_KEY variable sets the key."""
     from transformers import AutoTokenizer
 
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
@@ -41,7 +41,7 @@ def test_cli_serve_vllm_flags(llama_dir, tmp_path):
              "--num-gpu-blocks-override", "256", "--chat-template", template, "--chat-template-content-format",
              "openai", "--log-level", "WARNING", "--enable-chunked-prefill", "--no-trust-remote-code",
              "--no-enforce-eager", "--disable-uvicorn-access-log", "--disable-fastapi-docs",
-             "--enable-request-id-headers")  # fmt: skip
+             "--enable-request-id-headers", "--return-tokens-as-token-ids")  # fmt: skip
     with cli_server(llama_dir, tmp_path / "serve.log", *flags, env={"VLLM_API_KEY": "vk"}) as (_, base):
         refused = httpx.get(f"{base}/v1/models", headers={"X-Request-Id": "abc"}, timeout=10)
         assert refused.status_code == 401 and refused.headers["x-request-id"] == "abc"
@@ -61,6 +61,8 @@ def test_cli_serve_vllm_flags(llama_dir, tmp_path):
         assert r.usage.prompt_tokens == len(tok.encode(f"<user>{parts}"))
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="other", prompt="x", max_tokens=1)
+        lp = client.completions.create(model="main", prompt="hi", max_tokens=2, logprobs=1).choices[0].logprobs
+        assert all(t.startswith("token_id:") for t in lp.tokens)  # --return-tokens-as-token-ids
 
 
 def test_cli_serve_checks_its_address_before_loading(llama_dir, capsys):
