@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import sys
 
-from arcserve.config import KV_CACHE_DTYPES, EngineArgs
+from arcserve.config import KV_CACHE_DTYPES, EngineArgs, _json_dict
 from arcserve.platform import DEVICE_CHOICES
 
 _SCALE = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -41,6 +41,13 @@ def _ranged(kind, low, high=None):
         return v
 
     return parse
+
+
+def _json_object(text: str) -> dict:
+    try:
+        return _json_dict(text, "the value")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _lower(text: str) -> str:
@@ -150,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", nargs="+", default=None,
                    help="require this bearer key, or any of several (else ARCSERVE_API_KEY or VLLM_API_KEY)")  # fmt: skip
     s.add_argument("--chat-template", default=None, help="a Jinja chat template file, or the template itself")
+    s.add_argument("--default-chat-template-kwargs", default=None, type=_json_object,
+                   help='template variables for every chat request unless it sets them, as JSON, e.g. \'{"enable_thinking": false}\'')  # fmt: skip
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (rendered in the Jinja sandbox)")  # fmt: skip
     s.add_argument("--chat-template-content-format", choices=["auto", "string", "openai"], default="auto",

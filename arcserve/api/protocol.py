@@ -332,6 +332,7 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False
     add_special_tokens: bool = False  # vLLM's: the template puts BOS in; True adds the tokenizer's too
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # a template variable; "none" turns thinking off (enable_thinking), as vLLM
     chat_template: str | None = None  # used only when the server trusts request templates (vLLM's rule)
     echo: bool = False  # the last message's content in front of the answer, when it is the answer's role
     # Tool calling needs a tool-call parser, which arcserve does not have: tools are refused, not
@@ -365,6 +366,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # with messages, as in a chat request
+    reasoning_effort: str | None = None  # (as a chat request's: so the counts match)
     tools: list[dict[str, Any]] | None = None  # rendered by the template, as in a chat request
     chat_template: str | None = None  # only where the server trusts request templates
 

@@ -147,7 +147,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str
               trust_request_chat_template: bool = False, chat_template_content_format: str = "auto",
               log_stats: str | None = None, log_requests: bool = False, max_log_len: int | None = None,
               response_role: str = "assistant", docs: bool = True, request_id_headers: bool = False,
-              tokens_as_ids: bool = False) -> FastAPI:  # fmt: skip
+              tokens_as_ids: bool = False, default_chat_template_kwargs: dict | None = None) -> FastAPI:  # fmt: skip
     """served_model_name: the name, or names, requests may give (responses and metrics carry the
     first, as vLLM's). cors: None (no CORS headers: browsers on other origins cannot call the API)
     or the keyword arguments of Starlette's CORSMiddleware (allow_origins, allow_methods,
@@ -155,12 +155,12 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str
     the periodic stats line (engine/stat_logger.py), None for none. log_requests, max_log_len,
     response_role: Serving's. docs=False: no /docs, /redoc, /openapi.json (--disable-fastapi-docs);
     request_id_headers: X-Request-Id on every response (--enable-request-id-headers); tokens_as_ids:
-    --return-tokens-as-token-ids."""
+    --return-tokens-as-token-ids; default_chat_template_kwargs: --default-chat-template-kwargs."""
     llm = engine.engine
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     served_model_name = names[0]
     serving = Serving(engine, served_model_name, trust_request_chat_template, chat_template_content_format,
-                      log_requests, max_log_len, response_role, tokens_as_ids)  # fmt: skip
+                      log_requests, max_log_len, response_role, tokens_as_ids, default_chat_template_kwargs)  # fmt: skip
     registry = make_registry(llm.get_metrics, served_model_name)
 
     @contextlib.asynccontextmanager
@@ -282,7 +282,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:  # (the template, its kwargs and tools as a chat request has them)
             template = serving.request_template(body, chat_template)
-            _, ids = await serving.render_chat(body, template, body.chat_template_kwargs)
+            _, ids = await serving.render_chat(body, template)
         else:
             special = True if body.add_special_tokens is None else body.add_special_tokens
             encode = functools.partial(llm.tokenizer.encode, add_special_tokens=special)
@@ -395,7 +395,8 @@ def run_server(args, engine_args) -> None:
                         log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
                         response_role=args.response_role, docs=not args.disable_fastapi_docs,
                         request_id_headers=args.enable_request_id_headers,
-                        tokens_as_ids=args.return_tokens_as_token_ids)  # fmt: skip
+                        tokens_as_ids=args.return_tokens_as_token_ids,
+                        default_chat_template_kwargs=args.default_chat_template_kwargs)  # fmt: skip
         routes = sorted(f"{','.join(sorted(r.methods or []))} {r.path}" for r in app.routes if hasattr(r, "methods"))
         logger.info("Routes: %s", "; ".join(routes))
         logger.info("Serving %s as %s on %s://%s:%d (API key %s; CORS %s)", engine_args.model,

@@ -40,13 +40,16 @@ class Serving:
     def __init__(self, engine: AsyncLLM, model_name: str, trust_request_chat_template: bool = False,
                  chat_template_content_format: str = "auto", log_requests: bool = False,
                  max_log_len: int | None = None, response_role: str = "assistant",
-                 tokens_as_ids: bool = False) -> None:  # fmt: skip
+                 tokens_as_ids: bool = False, default_template_kwargs: dict | None = None) -> None:  # fmt: skip
         """log_requests: log each request as it arrives (vLLM's --enable-log-requests), its prompt
         text and ids cut to max_log_len characters and ids (None: whole). response_role: the role of
         chat answers to a conversation given a generation prompt (vLLM's --response-role).
         tokens_as_ids: logprobs name tokens "token_id:<id>" for every request
-        (--return-tokens-as-token-ids; a request's return_tokens_as_token_ids does it for that one)."""
+        (--return-tokens-as-token-ids; a request's return_tokens_as_token_ids does it for that one).
+        default_template_kwargs: template variables every chat request gets unless it sets them
+        (--default-chat-template-kwargs, e.g. {"enable_thinking": false})."""
         self.response_role = response_role
+        self.default_template_kwargs = dict(default_template_kwargs or {})
         self.tokens_as_ids = tokens_as_ids
         self.trust_request_chat_template = trust_request_chat_template
         self.content_format = chat_template_content_format
@@ -78,9 +81,24 @@ class Serving:
                            "--trust-request-chat-template (as in vLLM)", param="chat_template")  # fmt: skip
         return body.chat_template
 
-    async def render_chat(self, body, chat_template: str | None, kwargs: dict | None = None) -> tuple[str, list[int]]:
+    def template_kwargs(self, body) -> dict:
+        """The template variables of a chat (or /tokenize) request: the server's defaults
+        (--default-chat-template-kwargs) under the request's chat_template_kwargs; a reasoning_effort
+        is passed on too, and turns thinking on or off (enable_thinking: not for "none") unless the
+        request's kwargs set it, as vLLM does."""
+        own = body.chat_template_kwargs or {}
+        kw = {**self.default_template_kwargs, **own}
+        effort = getattr(body, "reasoning_effort", None)
+        if effort is not None:
+            kw["reasoning_effort"] = effort
+            if "enable_thinking" not in own:
+                kw["enable_thinking"] = effort != "none"
+        return kw
+
+    async def render_chat(self, body, chat_template: str | None) -> tuple[str, list[int]]:
         """The request's messages through the chat template: (text, token ids); a long chat is
         rendered off the event loop; a template that fails on them is a 400."""
+        kwargs = self.template_kwargs(body)
         messages = [m.as_template_dict() for m in body.messages]
         special = bool(body.add_special_tokens)  # (a tokenize request's None: False for messages, as vLLM)
         args = (messages, chat_template, body.add_generation_prompt, kwargs, body.continue_final_message, special,
@@ -312,7 +330,7 @@ class Serving:
         self._refuse_unsupported(body)
         chat_template = self.request_template(body, chat_template)
         requested = body.max_completion_tokens or body.max_tokens
-        text, ids = self.llm.truncate_prompt(*await self.render_chat(body, chat_template, body.chat_template_kwargs),
+        text, ids = self.llm.truncate_prompt(*await self.render_chat(body, chat_template),
                                              body.truncate_prompt_tokens, requested)  # fmt: skip
         prompt = {"prompt_token_ids": ids, "prompt": text}
         k = body.top_logprobs or 0

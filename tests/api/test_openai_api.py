@@ -362,6 +362,35 @@ def test_chat_history_with_tools_and_reasoning_renders_as_vllm(llama_dir):
         assert r.status_code == 400 and "takes no images or audio" in r.json()["error"]["message"]
 
 
+def test_template_kwargs_defaults_and_reasoning_effort(llama_dir, capsys):
+    """--default-chat-template-kwargs (vLLM's) under each request's chat_template_kwargs; a
+    reasoning_effort reaches the template and turns thinking off for "none" (on otherwise) unless
+    the request's kwargs say, as vLLM does; the flag takes a JSON object only."""
+    from arcserve.cli import build_parser
+
+    template = ("{{ reasoning_effort | default('-') }}{% if enable_thinking is defined and not enable_thinking %}"
+                "<nothink>{% endif %}{{ messages[0].content }}")  # fmt: skip
+    with serve(llama_dir, app_kw={"chat_template": template, "default_chat_template_kwargs": {"enable_thinking": False}}) as s:
+        def rendered(**extra) -> str:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
+            ids = s.post("/tokenize", json=body).json()["tokens"]
+            return s.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+
+        assert rendered() == "-<nothink>hi"
+        assert rendered(chat_template_kwargs={"enable_thinking": True}) == "-hi"
+        assert rendered(reasoning_effort="high") == "highhi"
+        assert rendered(reasoning_effort="none") == "none<nothink>hi"
+        assert rendered(reasoning_effort="low", chat_template_kwargs={"enable_thinking": False}) == "low<nothink>hi"
+        r = s.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 1, "reasoning_effort": "none"})  # fmt: skip
+        assert r.status_code == 200
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--default-chat-template-kwargs", "[1]"])
+    assert "must be a dict" in capsys.readouterr().err
+    ns = build_parser().parse_args(["serve", "--default-chat-template-kwargs", '{"enable_thinking": false}'])
+    assert ns.default_chat_template_kwargs == {"enable_thinking": False}
+
+
 def test_developer_role_renders_as_system(server):
     """A "developer" message (OpenAI's newer name for "system") renders as a system message where the
     chat template does not name the role, as vLLM's server renders it."""
