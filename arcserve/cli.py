@@ -7,40 +7,9 @@ import dataclasses
 import logging
 import sys
 
+from arcserve.argtypes import human_int, ranged
 from arcserve.config import KV_CACHE_DTYPES, EngineArgs, _json_dict
 from arcserve.platform import DEVICE_CHOICES
-
-_SCALE = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def human_int(text: str) -> int:
-    """vLLM's readable integers: 4096, 4k (4,000), 4K (4,096), 25.6k, 2G (2 * 2**30)."""
-    t = text.strip()
-    try:
-        if t and t[-1] in _SCALE:
-            value = float(t[:-1]) * _SCALE[t[-1]]
-            if value != int(value):
-                raise ValueError
-            return int(value)
-        return int(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r} (e.g. 4096, 4k = 4,000, 4K = 4,096)") from None
-
-
-def _ranged(kind, low, high=None):
-    """An argparse type: a `kind` number in [low, high]."""
-
-    def parse(text: str):
-        try:
-            v = human_int(text) if kind is int else kind(text)
-        except (ValueError, argparse.ArgumentTypeError):
-            v = None
-        if v is None or v < low or (high is not None and v > high):
-            span = f"in [{low}, {high}]" if high is not None else f">= {low}"
-            raise argparse.ArgumentTypeError(f"must be a number {span}, got {text!r}")
-        return v
-
-    return parse
 
 
 def _json_object(text: str) -> dict:
@@ -151,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default model: the bundled demo)")
     add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
-    s.add_argument("--port", type=_ranged(int, 0, 65535), default=8000)
+    s.add_argument("--port", type=ranged(int, 0, 65535), default=8000)
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) the API answers to; responses name the first (default: MODEL_DIR)")  # fmt: skip
     s.add_argument("--api-key", nargs="+", default=None,
@@ -181,12 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ssl-ca-certs", default=None, help="CA certificates that client certificates are checked against")
     s.add_argument("--ssl-cert-reqs", type=int, default=0,
                    help="client certificates: 0 none (default), 1 optional, 2 required (Python's ssl.CERT_*)")  # fmt: skip
-    s.add_argument("--max-waiting-requests", type=_ranged(int, 1), default=1024,
+    s.add_argument("--max-waiting-requests", type=ranged(int, 1), default=1024,
                    help="answer 503 while this many requests are waiting")  # fmt: skip
-    s.add_argument("--shutdown-timeout", type=_ranged(float, 0.0), default=30.0,
+    s.add_argument("--shutdown-timeout", type=ranged(float, 0.0), default=30.0,
                    help="on SIGTERM: seconds the requests in flight get to finish before they are stopped")  # fmt: skip
     s.add_argument("--metrics-require-key", action="store_true", help="with --api-key, /metrics needs the key too")
-    s.add_argument("--max-request-body-bytes", type=_ranged(int, 1), default=16 << 20,
+    s.add_argument("--max-request-body-bytes", type=ranged(int, 1), default=16 << 20,
                    help="larger request bodies get 413 (e.g. 16M)")  # fmt: skip
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
     s.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")

@@ -24,8 +24,9 @@ OPS = ("decoder_layer", "pre_attention", "post_attention", "add_rms_norm_linear"
        "linear", "silu_mul_linear", "fused_add_rms_norm")
 
 
-def add_timer(totals: dict[str, float], obj, name: str, key: str) -> None:
-    """Wrap obj.name so that each call adds its wall seconds to totals[key] (a defaultdict)."""
+def add_timer(totals: dict[str, float], obj, name: str, key: str, calls: dict[str, int] | None = None):
+    """Wrap obj.name so that each call adds its wall seconds to totals[key] (a defaultdict) and, when
+    given, one to calls[key]; returns the original (to put back)."""
     fn = getattr(obj, name)
 
     def wrapper(*args, **kw):
@@ -34,8 +35,11 @@ def add_timer(totals: dict[str, float], obj, name: str, key: str) -> None:
             return fn(*args, **kw)
         finally:
             totals[key] += time.perf_counter() - t
+            if calls is not None:
+                calls[key] += 1
 
     setattr(obj, name, wrapper)
+    return fn
 
 
 def main() -> None:

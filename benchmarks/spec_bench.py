@@ -36,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "engine"))
+from cpu_step_timeline import add_timer  # noqa: E402
 from model_shapes import SHAPES, write_tokenizer  # noqa: E402
 from test_speculative import COPY_PROMPT as COPY  # noqa: E402  (the copy-heavy prompt the CPU test uses)
 
@@ -102,18 +103,7 @@ def phases(llm: LLM, prompt, label: str) -> None:
     pairs = []
 
     def timed(obj, name, key):
-        f = getattr(obj, name)
-
-        def w(*a, **k):
-            t = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
-                host[key] += time.perf_counter() - t
-                calls[key] += 1
-
-        setattr(obj, name, w)
-        return f
+        return add_timer(host, obj, name, key, calls)
 
     originals = [(eng, "_finish", timed(eng, "_finish", "finish (read + outputs)")),
                  (eng, "_propose", timed(eng, "_propose", "propose")),

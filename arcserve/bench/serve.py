@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from arcserve.argtypes import ranged
+
 
 @dataclass
 class Result:
@@ -29,19 +31,6 @@ class Result:
     error: str = ""
 
 
-def _at_least(low: float, kind=int):
-    def parse(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            v = None
-        if v is None or not v >= low:
-            raise argparse.ArgumentTypeError(f"must be a number >= {low}, got {text!r}")
-        return v
-
-    return parse
-
-
 def add_args(p: argparse.ArgumentParser) -> None:
     """vLLM's `bench serve` flags for its random dataset (its names for the lengths as aliases)."""
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -50,23 +39,23 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="openai", choices=["openai", "vllm"],
                    help="both: the /v1/completions endpoint, streamed")  # fmt: skip
     p.add_argument("--dataset-name", default="random", choices=["random"], help="random token ids (the only one)")
-    p.add_argument("--num-prompts", type=_at_least(1), default=100)
-    p.add_argument("--input-len", "--random-input-len", type=_at_least(1), default=256)
-    p.add_argument("--output-len", "--random-output-len", type=_at_least(1), default=64)
-    p.add_argument("--range-ratio", "--random-range-ratio", type=_at_least(0.0, float), default=0.0,
+    p.add_argument("--num-prompts", type=ranged(int, 1), default=100)
+    p.add_argument("--input-len", "--random-input-len", type=ranged(int, 1), default=256)
+    p.add_argument("--output-len", "--random-output-len", type=ranged(int, 1), default=64)
+    p.add_argument("--range-ratio", "--random-range-ratio", type=ranged(float, 0.0), default=0.0,
                    help="lengths uniform in [len*(1-r), len*(1+r)]")  # fmt: skip
-    p.add_argument("--request-rate", type=_at_least(0.0, float), default=float("inf"),
+    p.add_argument("--request-rate", type=ranged(float, 0.0), default=float("inf"),
                    help="Poisson rate (req/s); inf = all at once")  # fmt: skip
-    p.add_argument("--max-concurrency", type=_at_least(1), default=None)
-    p.add_argument("--vocab-size", type=_at_least(30), default=None,
+    p.add_argument("--max-concurrency", type=ranged(int, 1), default=None)
+    p.add_argument("--vocab-size", type=ranged(int, 30), default=None,
                    help="token ids are drawn from [10, vocab_size - 10) (default 32000)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=_at_least(0.0, float), default=0.0)
+    p.add_argument("--temperature", type=ranged(float, 0.0), default=0.0)
     p.add_argument("--save-result", nargs="?", const=True, default=None,
                    help="write the figures as JSON: to the file given, else --result-filename in --result-dir")  # fmt: skip
     p.add_argument("--result-filename", default=None, help="with a bare --save-result (vLLM's)")
     p.add_argument("--result-dir", default=".", help="with a bare --save-result (vLLM's)")
-    p.add_argument("--timeout", type=_at_least(0.0, float), default=600.0, help="per request, seconds")
+    p.add_argument("--timeout", type=ranged(float, 0.0), default=600.0, help="per request, seconds")
 
 
 def workload(a: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:

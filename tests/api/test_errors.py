@@ -323,7 +323,7 @@ def test_several_api_keys():
     from starlette.routing import Route
     from starlette.testclient import TestClient
 
-    from arcserve.api.server import APIKeyMiddleware
+    from arcserve.api.middleware import APIKeyMiddleware
 
     app = APIKeyMiddleware(Starlette(routes=[Route("/v1/models", lambda _: PlainTextResponse("ok"))]), ["k1", "k2"])
     with TestClient(app) as c:
