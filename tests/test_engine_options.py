@@ -136,6 +136,7 @@ def test_cpu_default_budget_is_shared_with_the_decode_mirror(llama_dir, monkeypa
 
     budget = 1 << 20
     eng, per_block, mirror, arena = start(budget, max_model_len=256, max_num_seqs=64)
+    assert per_block == 2 * 2 * 2 * 16 * 4 * eng.args.block_size  # K and V x layers x KV heads x head_dim x bytes
     assert eng.kv.pool.num_blocks == (budget // 2) // per_block and arena == budget - budget // 2
     assert all(a.untyped_storage().resizable() for a in mirror.arena)  # torch.zeros, not a mapping
     # a small max_num_seqs caps the mirror at what it can use, and the startup line says so
@@ -143,7 +144,8 @@ def test_cpu_default_budget_is_shared_with_the_decode_mirror(llama_dir, monkeypa
     with caplog.at_level("INFO", logger="arcserve"):
         eng, per_block, mirror, arena = start(budget, max_model_len=128, max_num_seqs=2)
     m = eng.model.cfg
-    most = mirror.largest_bytes(m.num_layers, m.num_kv_heads, m.head_dim, eng.model.dtype, 2, 128)
+    assert (m.num_layers, m.num_kv_heads, m.head_dim, eng.model.dtype) == (2, 2, 16, torch.float32)
+    most = 2 * 2 * 2 * 2 * 128 * 16 * 4  # K and V x layers x rows x KV heads x 128 tokens x head_dim x bytes
     assert arena == most < budget // 2
     assert f"decode mirror: {most / 2**20:.1f} MiB" in caplog.text
     # a budget of 1.5 sequences: the paged cache keeps one whole sequence, the mirror gets the rest

@@ -812,10 +812,19 @@ def test_usage_exact_for_stops_and_eos(client, hf):
         r = client.completions.create(
             model=MODEL, prompt=prompt, max_tokens=64, logprobs=0, stop=["e"], **GREEDY
         )
-        n = len(r.choices[0].logprobs.tokens)
+        # the oracle's count: up to the token whose text completes the stop string, or EOS, or 64
+        cont = hf.greedy(ids, 64)
+        n = next((k for k in range(1, len(cont) + 1)
+                  if cont[k - 1] == 2 or "e" in text_of(hf.tok, cont[:k], skip_special_tokens=True)), 64)  # fmt: skip
+        assert r.choices[0].finish_reason == ("length" if n == 64 else "stop")
         assert usage_of(r.usage) == (len(ids), n, len(ids) + n)
-        cont = hf.greedy(ids, n)
-        assert r.choices[0].text == text_of(hf.tok, cont, skip_special_tokens=True).split("e")[0]
+        assert len(r.choices[0].logprobs.tokens) == n
+        assert r.choices[0].text == text_of(hf.tok, cont[:n], skip_special_tokens=True).split("e")[0]
+    # a greedy answer that ends with EOS: the EOS token counts
+    ids = hf.tok.encode(EOS_PROMPT)
+    n = hf.greedy(ids, 100).index(2) + 1
+    r = client.completions.create(model=MODEL, prompt=EOS_PROMPT, max_tokens=100, **GREEDY)
+    assert r.choices[0].finish_reason == "stop" and usage_of(r.usage) == (len(ids), n, len(ids) + n)
 
 
 def test_tokenize_detokenize(server, hf):

@@ -12,6 +12,7 @@ import torch
 from arcserve import LLM, SamplingParams
 from arcserve.engine.request import Request
 from arcserve.engine.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p
+from arcserve.sampling_params import GREEDY_EPS
 
 CPU = torch.device("cpu")
 _ids = iter(range(10**9))
@@ -65,10 +66,16 @@ def test_greedy_on_half_logits_takes_the_first_largest(dtype):
 
 
 def test_temperature_below_eps_is_greedy():
-    logits = torch.tensor([[0.0, 1.0, 0.999, -2.0]])
-    for seed in range(20):
-        out = Sampler(CPU, seed)(logits, [make_req(SamplingParams(temperature=1e-6))]).tokens
-        assert out.tolist() == [1]
+    """Below GREEDY_EPS a temperature means argmax (the first of tied maxima); just above it, the
+    same tied logits are sampled, so the two tied tokens both come up across seeds."""
+    logits = torch.tensor([[0.0, 1.0, 1.0, -2.0]])  # an exact tie: only argmax always picks 1
+
+    def picks(temperature):
+        return {Sampler(CPU, seed)(logits, [make_req(SamplingParams(temperature=temperature))]).tokens.item()
+                for seed in range(20)}  # fmt: skip
+
+    assert picks(GREEDY_EPS / 10) == {1}
+    assert picks(GREEDY_EPS * 2) == {1, 2}
 
 
 def test_top_k_samples_only_the_k_largest():
