@@ -15,16 +15,16 @@ ENGINES=("${@:-arcserve}")
 export PYTHONPATH=${PYTHONPATH:-.}
 PORT=8299
 MODEL=/tmp/arcserve-shapes/qwen3-0.6b
+SERVER_ARGS=(--load-format dummy --dtype bfloat16 --max-model-len 4096 --port $PORT)  # the same for both
 python3 benchmarks/model_shapes.py /tmp/arcserve-shapes >/dev/null
 run=0
 for engine in "${ENGINES[@]}"; do
   run=$((run + 1))
   case $engine in
-    arcserve) python3 -m arcserve.cli serve $MODEL --load-format dummy --dtype bfloat16 \
-                --max-model-len 4096 --port $PORT --log-level warning > /tmp/serve-$engine.log 2>&1 & PID=$! ;;
+    arcserve) python3 -m arcserve.cli serve $MODEL "${SERVER_ARGS[@]}" --log-level warning \
+                > /tmp/serve-$engine.log 2>&1 & PID=$! ;;
     vllm) PYTHONPATH=/root/vsite HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
-            python3 -m vllm.entrypoints.cli.main serve $MODEL --load-format dummy --dtype bfloat16 \
-            --max-model-len 4096 --port $PORT > /tmp/serve-$engine.log 2>&1 & PID=$! ;;
+            python3 -m vllm.entrypoints.cli.main serve $MODEL "${SERVER_ARGS[@]}" > /tmp/serve-$engine.log 2>&1 & PID=$! ;;
     *) echo "unknown engine $engine (arcserve or vllm)"; exit 2 ;;
   esac
   trap 'kill $PID 2>/dev/null || true' EXIT  # the server goes, however this script ends

@@ -643,7 +643,9 @@ def test_llm_engine_as_vllm_drives_it(llm, llama_dir):
                         (dict(output_kind="delta"), "output_kind must be")]:  # fmt: skip
         with pytest.raises(ValueError, match=message):
             SamplingParams(**kw)
-    small = LLMEngine.from_engine_args(EngineArgs(model=str(llama_dir), dtype="float32", max_model_len=64, async_scheduling=True))
+    small = LLMEngine.from_engine_args(
+        EngineArgs(model=str(llama_dir), dtype="float32", max_model_len=64, async_scheduling=True)
+    )
     assert isinstance(small, LLMEngine) and small.add_request("a", [5, 6], greedy(1), arrival_time=0) == "a"
     outs = []
     while small.has_unfinished_requests():  # (overlapped steps, a GPU's default, answer a step late)
