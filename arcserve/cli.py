@@ -74,6 +74,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         '\'{"model": DRAFT_DIR, "num_speculative_tokens": 4}\'')  # fmt: skip
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic stats line (throughput, running and waiting requests, KV cache usage)")  # fmt: skip
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs a request may ask for per token; -1: no limit (logprobs=-1, the whole "
+                        "vocabulary, then passes)")  # fmt: skip
     p.add_argument("--log-level", default="info", type=_lower, choices=["debug", "info", "warning", "error"])
 
 

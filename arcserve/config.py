@@ -89,6 +89,9 @@ class EngineArgs:
     trust_remote_code: bool = False  # tokenizers only: run a tokenizer's own code (models are arcserve's)
     tensor_parallel_size: int = 1  # vLLM's; arcserve runs a model on one device
     disable_log_stats: bool = False  # no periodic stats line (engine/stat_logger.py); LLM() defaults to True
+    # the most logprobs a request may ask for per token (vLLM's default, 20); -1: no limit (a request's
+    # logprobs=-1, the whole vocabulary, then passes)
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -104,6 +107,8 @@ class EngineArgs:
             v = getattr(self, name)
             if not isinstance(v, bool) and not (v is None and name == "async_scheduling"):
                 raise ValueError(f"{name} must be True or False, got {v!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 (no limit), got {self.max_logprobs!r}")
         try:
             seed = None if isinstance(self.seed, bool) else operator.index(self.seed)
         except TypeError:

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 GREEDY_EPS = 1e-5
-MAX_LOGPROBS = 20
 
 
 TRUNCATION_RANGE = "an integer >= 1, or -1 (as many as leave room for max_tokens), or None"
@@ -46,8 +45,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None  # top-k logprobs of every prompt token (after the first)
+    logprobs: int | None = None  # top-k logprobs of each sampled token; -1: the whole vocabulary
+    prompt_logprobs: int | None = None  # top-k logprobs of every prompt token (after the first); -1 as above
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's name)
     # Keep only the prompt's last k tokens (left truncation; a text prompt's BOS stays in front);
@@ -119,10 +118,16 @@ class SamplingParams:
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens}, "
                 f"max_tokens={self.max_tokens}"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise bad("logprobs", f"in [0, {MAX_LOGPROBS}]")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise bad("prompt_logprobs", f"in [0, {MAX_LOGPROBS}]")
+        # (how many the engine returns at most is its max_logprobs, checked when a request is added)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            try:
+                k = None if k is None else operator.index(k)
+            except TypeError:
+                k = -2
+            if k is not None and k < -1:
+                raise bad(name, "an integer >= 0, or -1 (the whole vocabulary)")
+            setattr(self, name, k)
         # Sequence i of the request samples with seed + i, which must stay a 64-bit integer.
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed <= 2**63 - self.n):
             raise bad("seed", f"an integer in [-2**63, 2**63 - n] (n = {self.n})")

@@ -61,6 +61,12 @@ def test_cli_engine_flags_map_onto_engine_args():
     a = engine_args_from(p.parse_args(["m", "--override-generation-config", '{"temperature": 0.5}']))
     assert a.override_generation_config == {"temperature": 0.5}
     assert engine_args_from(p.parse_args(["m"])).override_generation_config == {}
+    assert engine_args_from(p.parse_args(["m"])).max_logprobs == 20  # vLLM's default
+    assert engine_args_from(p.parse_args(["m", "--max-logprobs", "-1"])).max_logprobs == -1
+    with pytest.raises(ValueError, match="max_logprobs must be"):
+        engine_args_from(p.parse_args(["m", "--max-logprobs", "-2"]))
+    with pytest.raises(ValueError, match="max_logprobs must be"):
+        EngineArgs(max_logprobs=True)
     for bad in ("{temperature: 0.5}", "[1]"):
         with pytest.raises(ValueError, match="override_generation_config"):
             engine_args_from(p.parse_args(["m", "--override-generation-config", bad]))

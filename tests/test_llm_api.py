@@ -1,6 +1,7 @@
 """The offline API end to end on tiny models: prompts forms, params, stops, outputs, bad input."""
 
 import json
+import math
 import shutil
 
 import pytest
@@ -368,7 +369,8 @@ BAD = [
     (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(repetition_penalty=float("inf")), "repetition_penalty"),
     (dict(presence_penalty=3.0), "presence_penalty"),
-    (dict(logprobs=50), "logprobs"),
+    (dict(logprobs=-2), "logprobs"),
+    (dict(prompt_logprobs=1.5), "prompt_logprobs"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens"),
     (dict(stop=[""]), "stop"),
     (dict(stop=["x"], detokenize=False), "stop strings need detokenize"),  # never looked for otherwise
@@ -396,6 +398,33 @@ def test_vllm_readings_of_logprobs_flags_and_seed(llm):
     out = llm.generate("The quick", sp, use_tqdm=False)[0]
     assert all(len(lp) == 1 for lp in out.outputs[0].logprobs)  # the greedy token is the top one
     assert out.prompt_logprobs[0] is None and all(p for p in out.prompt_logprobs[1:])
+
+
+def test_max_logprobs_limits_requests_and_minus_one_is_the_whole_vocabulary(llm, llama_dir):
+    """vLLM's max_logprobs (default 20): a request asking for more is refused naming the limit, and
+    leaves nothing behind; -1 is the whole vocabulary, which passes only where the limit covers it
+    (max_logprobs=-1: none); a count past the vocabulary gives the whole vocabulary."""
+    assert SamplingParams(logprobs=50).logprobs == 50 and SamplingParams(prompt_logprobs=-1).prompt_logprobs == -1
+    engine = llm.llm_engine
+    vocab = engine.model_config.vocab_size
+    for kw, name in ((dict(logprobs=21), "logprobs"), (dict(prompt_logprobs=-1), "prompt_logprobs")):
+        with pytest.raises(ValueError, match=f"{name} must be at most 20, this engine's max_logprobs"):
+            llm.generate(["Paris", "The quick"], [greedy(2), greedy(2, **kw)], use_tqdm=False)
+        assert not engine.has_unfinished_requests()
+    narrow = llm.generate("Paris is", greedy(3, logprobs=20), use_tqdm=False)[0].outputs[0]
+    assert [len(e) for e in narrow.logprobs] == [20] * 3
+    wide = LLM(str(llama_dir), dtype="float32", max_model_len=256, max_logprobs=-1)
+    out = wide.generate("Paris is", greedy(3, logprobs=-1, prompt_logprobs=-1), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == narrow.token_ids
+    for tok, entries, top in zip(out.outputs[0].token_ids, out.outputs[0].logprobs, narrow.logprobs):
+        assert set(entries) == set(range(vocab)) and entries[tok].rank == 1
+        assert math.fsum(math.exp(e.logprob) for e in entries.values()) == pytest.approx(1.0, abs=1e-4)
+        for t, e in top.items():  # the narrow request's top 20: the same tokens, values and ranks
+            assert entries[t].rank == e.rank and entries[t].logprob == pytest.approx(e.logprob, abs=1e-5)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    assert all(set(e) == set(range(vocab)) for e in out.prompt_logprobs[1:])
+    past = wide.generate("Paris", greedy(1, logprobs=10 * vocab), use_tqdm=False)[0].outputs[0].logprobs[0]
+    assert set(past) == set(range(vocab))
 
 
 def test_one_list_of_token_ids_is_one_prompt(llm):

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
 from arcserve.engine.chat_content import join_texts, text_of_part
-from arcserve.sampling_params import MAX_LOGPROBS, TRUNCATION_RANGE, SamplingParams, valid_truncation
+from arcserve.sampling_params import TRUNCATION_RANGE, SamplingParams, valid_truncation
 
 MAX_N = 128
 MAX_STOP = 16
@@ -77,7 +77,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[StrictInt] | None = None
     allowed_token_ids: list[StrictInt] | None = None
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # not with stream (as in vLLM)
+    prompt_logprobs: int | None = Field(None, ge=-1)  # not with stream (as in vLLM); -1 and the limit as logprobs
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -206,7 +206,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # strict: true/false are no token ids
     echo: bool = False  # (before max_tokens: its check reads echo)
     max_tokens: int = Field(16, ge=0)  # 0 only with echo: the prompt scored, nothing generated (vLLM); null: 16
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary; at most --max-logprobs
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (and the like) in front of text prompts
@@ -327,7 +327,7 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary; at most --max-logprobs
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # vLLM's: the template puts BOS in; True adds the tokenizer's too

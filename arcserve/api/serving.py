@@ -212,8 +212,18 @@ class Serving:
         if got is not None:
             raise APIError(400, got[1], param=got[0], code="unsupported")
 
+    def _logprob_counts(self, body, *names: str) -> None:
+        """The body's logprobs counts as the engine reads them: -1 is the whole vocabulary; above
+        --max-logprobs a 400 naming the parameter."""
+        for name in names:
+            try:
+                setattr(body, name, self.llm.logprobs_count(name, getattr(body, name)))
+            except ValueError as e:
+                raise bad_request(e) from e
+
     async def completions(self, body: CompletionRequest, raw: Request):
         self._refuse_unsupported(body)
+        self._logprob_counts(body, "logprobs", "prompt_logprobs")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of must equal n (or be left out)", param="best_of")
         try:  # tokenize once; the engine gets token ids
@@ -328,6 +338,7 @@ class Serving:
     # ---- chat ----------------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, raw: Request, chat_template: str | None):
         self._refuse_unsupported(body)
+        self._logprob_counts(body, "top_logprobs", "prompt_logprobs")
         chat_template = self.request_template(body, chat_template)
         requested = body.max_completion_tokens or body.max_tokens
         text, ids = self.llm.truncate_prompt(*await self.render_chat(body, chat_template),

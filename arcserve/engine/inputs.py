@@ -74,6 +74,20 @@ class InputProcessor:
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         check_max_model_len(self.max_model_len, cfg)
 
+    def logprobs_count(self, name: str, k: int | None) -> int | None:
+        """A request's number of logprobs per token (`name` is its parameter): -1 is the whole vocabulary
+        (vLLM's); more than max_logprobs is refused (max_logprobs -1: no limit); more than the
+        vocabulary gives the whole vocabulary."""
+        if k is None:
+            return None
+        vocab, cap = self.model_config.vocab_size, self.args.max_logprobs
+        n = vocab if k == -1 else k
+        if cap != -1 and n > cap:
+            whole = f" (-1: the whole vocabulary, {n} tokens)" if k == -1 else ""
+            raise ValueError(f"{name} must be at most {cap}, this engine's max_logprobs (the server's --max-logprobs); "
+                             f"got {k}{whole}")  # fmt: skip
+        return min(n, vocab)
+
     def default_sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.generation_defaults.sampling)
 
@@ -216,6 +230,8 @@ class InputProcessor:
         text, ids = self.prompt_tokens(prompt, params.truncate_prompt_tokens, params.max_tokens,
                                        add_special_tokens(tokenization_kwargs))  # fmt: skip
         params = params.clone()
+        params.logprobs = self.logprobs_count("logprobs", params.logprobs)
+        params.prompt_logprobs = self.logprobs_count("prompt_logprobs", params.prompt_logprobs)
         params._eos_token_ids, params._eos_token_id = self.eos_token_ids, self.tokenizer.eos_token_id
         if params.bad_words:
             params._bad_words_token_ids = self.bad_words_token_ids(params.bad_words)

@@ -746,6 +746,38 @@ def test_legacy_top_logprobs_hold_the_chosen_token(client, hf):
             assert tok in top and len(top) <= k + 1
 
 
+def test_max_logprobs_flag_sets_the_limit(llama_dir, hf):
+    """--max-logprobs (vLLM's): counts up to it pass, above it a 400 naming the parameter and the
+    limit; -1 (the whole vocabulary) only where the limit covers the vocabulary."""
+    vocab = hf.model.config.vocab_size
+    with serve(llama_dir, max_logprobs=30) as s:
+        c = s.client()
+        r = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, logprobs=True, top_logprobs=25)
+        assert [len(x.top_logprobs) for x in r.choices[0].logprobs.content] == [25, 25]
+        r = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, logprobs=30, echo=True, **GREEDY)
+        assert all(tok in top for tok, top in zip(r.choices[0].logprobs.tokens[1:], r.choices[0].logprobs.top_logprobs[1:]))
+        for path, body, param in (
+            ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 31}, "top_logprobs"),
+            ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+            ("/v1/completions", {"prompt": "x", "logprobs": 31}, "logprobs"),
+            ("/v1/completions", {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+        ):
+            r = s.post(path, json={"model": MODEL, "max_tokens": 2, **body})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == param and "at most 30" in err["message"], err
+        assert s.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}).status_code == 200
+    with serve(llama_dir, max_logprobs=-1) as s:
+        r = s.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, logprobs=True,
+                                               top_logprobs=-1, **GREEDY)  # fmt: skip
+        for item in r.choices[0].logprobs.content:
+            assert len(item.top_logprobs) == vocab and item.top_logprobs[0].logprob == item.logprob
+        r = s.post("/v1/completions", json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1,
+                                            "prompt_logprobs": -1})  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert all(len(e) == vocab for e in r.json()["choices"][0]["prompt_logprobs"][1:])
+
+
 def test_echo_without_generation(client, hf):
     """echo with max_tokens 0 scores the prompt: its text and logprobs, nothing generated (vLLM);
     max_tokens 0 without echo stays a 400."""
