@@ -1,10 +1,11 @@
 """arcserve: a pure-Python LLM inference and serving engine."""
 
+from arcserve.beam_search import BeamSearchOutput, BeamSearchSequence
 from arcserve.config import EngineArgs
 from arcserve.engine.engine import LLMEngine
 from arcserve.llm import LLM
 from arcserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from arcserve.sampling_params import RequestOutputKind, SamplingParams
+from arcserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -13,6 +14,9 @@ __all__ = [
     "LLMEngine",
     "EngineArgs",
     "SamplingParams",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
     "RequestOutputKind",
     "RequestOutput",
     "CompletionOutput",

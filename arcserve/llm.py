@@ -9,13 +9,14 @@ from collections.abc import Callable, Sequence
 
 from tqdm.auto import tqdm
 
+from arcserve.beam_search import BeamSearchOutput, beam_search
 from arcserve.config import EngineArgs
 from arcserve.engine.engine import LLMEngine
 from arcserve.engine.inputs import add_special_tokens as _add_special_tokens
 from arcserve.engine.inputs import refuse_lora
 from arcserve.engine.stat_logger import StatLogger, device_label
 from arcserve.outputs import RequestOutput
-from arcserve.sampling_params import RequestOutputKind, SamplingParams
+from arcserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -85,6 +86,16 @@ class LLM:
         params = _per_prompt(sampling_params, len(prompts), "sampling_params")
         prios = _per_prompt(0 if priority is None else priority, len(prompts), "priority")
         return self._run(prompts, params, prios, use_tqdm, tokenization_kwargs)
+
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:  # fmt: skip
+        """vLLM's beam search (arcserve/beam_search.py): for each prompt (forms as in generate), the
+        params.beam_width best sequences, best first; each sequence's tokens and text hold the
+        prompt too, as vLLM's. concurrency_limit: how many prompts search at once (all by default)."""
+        refuse_lora(lora_request)
+        if isinstance(prompts, (str, dict)) or _token_ids(prompts):
+            prompts = [prompts]
+        return beam_search(self, list(prompts), params, use_tqdm, concurrency_limit)
 
     def chat(
         self,

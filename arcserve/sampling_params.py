@@ -193,3 +193,31 @@ def _count(v):
     if v is True:
         return 1
     return None if v is False else v
+
+
+@dataclass
+class BeamSearchParams:
+    """LLM.beam_search's settings (vLLM's names and defaults). Every step extends each of the
+    beam_width best sequences by each of its 2 x beam_width most likely tokens (and the one sampled
+    at `temperature`, which 0 makes the most likely), and keeps the beam_width best by
+    cumulative logprob / length ** length_penalty (length: prompt and output tokens, less a final
+    EOS). include_stop_str_in_output: vLLM's field; beam search has no stop strings, so it changes
+    nothing."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.length_penalty, (int, float)) and math.isfinite(self.length_penalty)):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")

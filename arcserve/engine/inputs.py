@@ -253,7 +253,8 @@ class InputProcessor:
             children.append(req)
         return group, children
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+    def validate_prompt(self, ids: list[int]) -> None:
+        """A prompt's token ids: at least one, fewer than max_model_len, all in the vocabulary."""
         if not ids:
             raise ValueError("The prompt is empty; give at least one token")
         if len(ids) >= self.max_model_len:
@@ -265,6 +266,10 @@ class InputProcessor:
         bad = [t for t in ids if not 0 <= t < vocab] if min(ids) < 0 or max(ids) >= vocab else []
         if bad:
             raise ValueError(f"Token ids must be in [0, {vocab}); got {bad[:5]}")
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        self.validate_prompt(ids)
+        vocab = self.model_config.vocab_size
         for t in list(params.logit_bias or {}) + params.stop_token_ids:
             if t >= vocab:
                 raise ValueError(f"Token id {t} in logit_bias/stop_token_ids is outside [0, {vocab})")
