@@ -9,12 +9,12 @@ counting the prompt, less a final EOS.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
-from arcserve.outputs import Logprob
+from arcserve.outputs import Logprob, RequestOutput
 from arcserve.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -44,19 +44,22 @@ def score(seq: BeamSearchSequence, eos_ids: frozenset[int] | set[int], length_pe
     return seq.cum_logprob / (max(n, 1) ** length_penalty)
 
 
-def beam_search(llm, prompts: Sequence, params: BeamSearchParams, use_tqdm: bool = False,
+def beam_search(engine, run: Callable[[list[dict], SamplingParams], list[RequestOutput]], prompts: Sequence,
+                params: BeamSearchParams, use_tqdm: bool = False,
                 concurrency_limit: int | None = None) -> list[BeamSearchOutput]:  # fmt: skip
     """The search for every prompt (each a string, or a {"prompt_token_ids": [...]} or {"prompt": ...}
-    dict); concurrency_limit: how many prompts search at once (all by default).
-    Raises ValueError before any work for a beam_width whose 2 x beam_width logprobs per step the
-    engine's max_logprobs refuses, and for a prompt the engine refuses."""
+    dict) on `engine` (an LLMEngine); run(prompts, params) runs requests to their end, outputs in
+    order (LLM.beam_search passes its own loop). concurrency_limit: how many prompts search at once
+    (all by default). Raises ValueError before any work for a beam_width whose 2 x beam_width
+    logprobs per step the engine's max_logprobs refuses, and for a prompt the engine refuses."""
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-    engine = llm.llm_engine
-    cap = engine.args.max_logprobs
-    if cap != -1 and 2 * params.beam_width > cap:
+    try:
+        engine.logprobs_count("logprobs", 2 * params.beam_width)
+    except ValueError:
+        cap = engine.args.max_logprobs
         raise ValueError(f"beam_width must be at most {cap // 2}: each step asks for 2 x beam_width logprobs and "
-                         f"this engine's max_logprobs is {cap} (raise max_logprobs, -1 for no limit)")  # fmt: skip
+                         f"this engine's max_logprobs is {cap} (raise max_logprobs, -1 for no limit)") from None  # fmt: skip
     if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
         raise ValueError(f"concurrency_limit must be an integer >= 1 or None, got {concurrency_limit!r}")
     starts = []
@@ -66,22 +69,23 @@ def beam_search(llm, prompts: Sequence, params: BeamSearchParams, use_tqdm: bool
         starts.append(ids)
     step = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
                           ignore_eos=True, detokenize=False)  # fmt: skip
-    eos = frozenset() if params.ignore_eos else engine.eos_token_ids
-    limit = len(starts) if concurrency_limit is None else concurrency_limit
+    # Beams ending in an EOS id finish (not under ignore_eos); the score drops a final EOS id always (vLLM's)
+    finish = frozenset() if params.ignore_eos else engine.eos_token_ids
+    limit = concurrency_limit or max(1, len(starts))
     results = []
     for first in range(0, len(starts), limit):
-        results += _search(llm, starts[first : first + limit], params, step, eos, use_tqdm)
-    tok = engine.tokenizer
+        batch = starts[first : first + limit]
+        results += _search(run, batch, engine.max_model_len, params, step, finish, engine.eos_token_ids, use_tqdm)
     for out in results:
         for seq in out.sequences:
-            seq.text = tok.decode(seq.tokens, skip_special_tokens=params.skip_special_tokens)
+            seq.text = engine.tokenizer.decode(seq.tokens, skip_special_tokens=params.skip_special_tokens)
     return results
 
 
-def _search(llm, starts: list[list[int]], params: BeamSearchParams, step: SamplingParams, eos: frozenset[int],
-            use_tqdm: bool) -> list[BeamSearchOutput]:  # fmt: skip
+def _search(run, starts: list[list[int]], max_len: int, params: BeamSearchParams, step: SamplingParams,
+            finish: frozenset[int], eos: frozenset[int], use_tqdm: bool) -> list[BeamSearchOutput]:  # fmt: skip
     """The search for a batch of prompts (token ids), all prompts' beams in one engine batch a step."""
-    max_len, width, penalty = llm.llm_engine.max_model_len, params.beam_width, params.length_penalty
+    width, penalty = params.beam_width, params.length_penalty
     beams = [[BeamSearchSequence(list(ids))] for ids in starts]
     done: list[list[BeamSearchSequence]] = [[] for _ in starts]
     steps = range(params.max_tokens)
@@ -89,15 +93,14 @@ def _search(llm, starts: list[list[int]], params: BeamSearchParams, step: Sampli
         live = [b for bs in beams for b in bs]
         if not live:
             break
-        outs = llm._run([{"prompt_token_ids": b.tokens} for b in live], [step] * len(live), [0] * len(live), False)
-        outs = iter(outs)
+        outs = iter(run([{"prompt_token_ids": b.tokens} for b in live], step))
         for i, bs in enumerate(beams):
             grown = []
             for beam in bs:
                 entries = next(outs).outputs[0].logprobs[0]
                 for tok, lp in entries.items():
                     seq = BeamSearchSequence(beam.tokens + [tok], beam.logprobs + [entries], beam.cum_logprob + lp.logprob)
-                    if tok in eos:
+                    if tok in finish:
                         seq.finish_reason = "stop"
                         done[i].append(seq)
                     else:

@@ -95,7 +95,10 @@ class LLM:
         refuse_lora(lora_request)
         if isinstance(prompts, (str, dict)) or _token_ids(prompts):
             prompts = [prompts]
-        return beam_search(self, list(prompts), params, use_tqdm, concurrency_limit)
+        def run(batch: list[dict], sp: SamplingParams) -> list[RequestOutput]:
+            return self._run(batch, [sp] * len(batch), [0] * len(batch), False)
+
+        return beam_search(self.llm_engine, run, list(prompts), params, use_tqdm, concurrency_limit)
 
     def chat(
         self,

@@ -24,14 +24,15 @@ def hf(llama_dir):
     return AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
 
 
-def reference(model, ids, width, max_tokens, eos, penalty, max_len=256):
+def reference(model, ids, width, max_tokens, eos, penalty, max_len=256, score_eos=frozenset({2})):
     """The search as vLLM defines it, over transformers' logits: every step extends each beam by its
-    2 x width most likely tokens, beams ending in an EOS id are finished, the width best of the rest
-    live on; score = cumulative logprob / length ** penalty (length with the prompt, less a final EOS)."""
+    2 x width most likely tokens, beams ending in an `eos` id are finished, the width best of the rest
+    live on; score = cumulative logprob / length ** penalty (length with the prompt, less a final
+    `score_eos` id, which vLLM drops under ignore_eos too)."""
 
     def score(b):
         toks, cum = b
-        return cum / max(len(toks) - (toks[-1] in eos), 1) ** penalty
+        return cum / max(len(toks) - (toks[-1] in score_eos), 1) ** penalty
 
     beams, done = [(list(ids), 0.0)], []
     for _ in range(max_tokens):
@@ -63,7 +64,7 @@ def check(llm, hf, out, width, max_tokens, eos, penalty, max_len=256):
     tok = llm.get_tokenizer()
     for p, o in zip(PROMPTS, out):
         ids = prompt_ids(llm, p)
-        want = reference(hf, ids, width, max_tokens, eos, penalty, max_len)
+        want = reference(hf, ids, width, max_tokens, eos, penalty, max_len, llm.llm_engine.eos_token_ids)
         assert [s.tokens for s in o.sequences] == [w[0] for w in want]
         for s, (_, cum) in zip(o.sequences, want):
             assert s.cum_logprob == pytest.approx(cum, abs=1e-4)
@@ -107,9 +108,10 @@ def test_eos_finishes_beams(llm, hf, llama_dir, tmp_path):
     out = eos_llm.beam_search(PROMPTS, BeamSearchParams(beam_width=3, max_tokens=6))
     check(eos_llm, hf, out, 3, 6, eos, 1.0)
     assert any(s.finish_reason == "stop" and s.tokens[-1] == likely for s in out[0].sequences)
-    # ignore_eos: the EOS ids are tokens like any other (the same beams as the model without them)
-    no_eos = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
-    assert tokens_of(eos_llm.beam_search(PROMPTS, no_eos)) == tokens_of(llm.beam_search(PROMPTS, no_eos))
+    # under ignore_eos nothing finishes early, and a final EOS id still leaves the length (vLLM's score)
+    kept = eos_llm.beam_search(PROMPTS, BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True, length_penalty=2.0))
+    check(eos_llm, hf, kept, 3, 6, set(), 2.0)
+    assert all(s.finish_reason == "length" for o in kept for s in o.sequences)
 
 
 def test_beams_stop_at_max_model_len(llama_dir, hf):
@@ -121,6 +123,25 @@ def test_beams_stop_at_max_model_len(llama_dir, hf):
     assert all(len(s.tokens) == 12 and s.finish_reason == "length" for s in out[0].sequences)
 
 
+def test_sampled_candidates_and_prefix_cache_hits(llm):
+    """temperature > 0: a step's candidates are the 2 x width most likely tokens plus the sampled one
+    (so 2w or 2w + 1 of them), every beam's token among its step's candidates. Every step after the
+    first finds the beams' full KV blocks in the prefix cache."""
+    width, steps = 2, 24
+    hits = llm.get_metrics()["arcserve:prefix_cache_hits_total"]
+    out = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=width, max_tokens=steps, temperature=1.5, ignore_eos=True))
+    for p, o in zip(PROMPTS, out):
+        n = len(prompt_ids(llm, p))
+        for s in o.sequences:
+            gen = s.tokens[n:]
+            assert len(gen) == steps and all(t in e for t, e in zip(gen, s.logprobs))
+            assert all(len(e) in (2 * width, 2 * width + 1) for e in s.logprobs)
+        assert len({tuple(s.tokens) for s in o.sequences}) == width
+    hit = llm.get_metrics()["arcserve:prefix_cache_hits_total"] - hits
+    # at least the prompts' full 16-token blocks, for every live beam of every step after the first
+    assert hit >= (steps - 1) * width * sum(len(prompt_ids(llm, p)) // 16 * 16 for p in PROMPTS)
+
+
 def test_concurrency_limit_and_progress_bar_give_the_same_beams(llm):
     params = BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True)
     together = llm.beam_search(PROMPTS, params)
@@ -128,6 +149,7 @@ def test_concurrency_limit_and_progress_bar_give_the_same_beams(llm):
     assert tokens_of(together) == tokens_of(one_by_one)
     single = llm.beam_search(PROMPTS[0], params)  # one prompt, not in a list
     assert [s.tokens for s in single[0].sequences] == [s.tokens for s in together[0].sequences]
+    assert llm.beam_search([], params) == []
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -425,6 +425,10 @@ def test_max_logprobs_limits_requests_and_minus_one_is_the_whole_vocabulary(llm,
     assert all(set(e) == set(range(vocab)) for e in out.prompt_logprobs[1:])
     past = wide.generate("Paris", greedy(1, logprobs=10 * vocab), use_tqdm=False)[0].outputs[0].logprobs[0]
     assert set(past) == set(range(vocab))
+    # one step, rows of different counts: each row gets its own (the wide row's do not leak over)
+    both = wide.generate(["Paris is", "The quick"], [greedy(3, logprobs=-1), greedy(3, logprobs=2)], use_tqdm=False)
+    assert [len(e) for e in both[0].outputs[0].logprobs] == [vocab] * 3
+    assert [len(e) for e in both[1].outputs[0].logprobs] == [2] * 3
 
 
 def test_one_list_of_token_ids_is_one_prompt(llm):

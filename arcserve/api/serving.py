@@ -338,6 +338,8 @@ class Serving:
     # ---- chat ----------------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, raw: Request, chat_template: str | None):
         self._refuse_unsupported(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         self._logprob_counts(body, "top_logprobs", "prompt_logprobs")
         chat_template = self.request_template(body, chat_template)
         requested = body.max_completion_tokens or body.max_tokens
@@ -345,8 +347,6 @@ class Serving:
                                              body.truncate_prompt_tokens, requested)  # fmt: skip
         prompt = {"prompt_token_ids": ids, "prompt": text}
         k = body.top_logprobs or 0
-        if body.top_logprobs is not None and not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         mt = self._max_tokens(requested, len(ids))
         try:
             params = body.to_sampling_params(self.llm.generation_defaults.sampling, mt, k if body.logprobs else None,

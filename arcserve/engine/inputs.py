@@ -80,6 +80,12 @@ class InputProcessor:
         vocabulary gives the whole vocabulary."""
         if k is None:
             return None
+        try:  # (a SamplingParams changed after it was made is checked again here: never a step's failure)
+            k = operator.index(k)
+        except TypeError:
+            k = -2
+        if k < -1:
+            raise ValueError(f"{name} must be an integer >= 0, or -1 (the whole vocabulary)")
         vocab, cap = self.model_config.vocab_size, self.args.max_logprobs
         n = vocab if k == -1 else k
         if cap != -1 and n > cap:

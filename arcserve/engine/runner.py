@@ -85,7 +85,13 @@ class StepHandle:
                     result.tokens[reqs[i].request_id] = tokens[i : i + c]
                 i += c
         if self.logprob_rows:
-            tok_lp, ranks, top_ids, top_lp = (x.tolist() if x is not None else None for x in self.logprob_parts)
+            tok_lp, ranks = (x.tolist() for x in self.logprob_parts[:2])
+            top_ids, top_lp = self.logprob_parts[2:]
+            ks = [reqs[i].params.logprobs for i in self.logprob_rows]
+            if top_ids is not None and min(ks) == top_ids.shape[1]:  # one conversion when all rows want it all
+                top_ids, top_lp = top_ids.tolist(), top_lp.tolist()
+            elif top_ids is not None:  # each row only its own k (a vocabulary-wide row beside narrow ones)
+                top_ids, top_lp = [top_ids[j, :k].tolist() for j, k in enumerate(ks)], [top_lp[j, :k].tolist() for j, k in enumerate(ks)]
             for j, i in enumerate(self.logprob_rows):
                 req = reqs[i]
                 entries = _entries(tokens[i], tok_lp[j], ranks[j], top_ids, top_lp, j, req.params.logprobs)

@@ -746,16 +746,19 @@ def test_legacy_top_logprobs_hold_the_chosen_token(client, hf):
             assert tok in top and len(top) <= k + 1
 
 
-def test_max_logprobs_flag_sets_the_limit(llama_dir, hf):
-    """--max-logprobs (vLLM's): counts up to it pass, above it a 400 naming the parameter and the
-    limit; -1 (the whole vocabulary) only where the limit covers the vocabulary."""
+def test_max_logprobs_sets_the_servers_limit(llama_dir, hf):
+    """max_logprobs (the server's --max-logprobs; the flag's parsing: test_engine_options.py): counts
+    up to it pass, above it a 400 naming the parameter and the limit; -1 (the whole vocabulary) only
+    where the limit covers the vocabulary."""
     vocab = hf.model.config.vocab_size
     with serve(llama_dir, max_logprobs=30) as s:
         c = s.client()
         r = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, logprobs=True, top_logprobs=25)
         assert [len(x.top_logprobs) for x in r.choices[0].logprobs.content] == [25, 25]
-        r = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, logprobs=30, echo=True, **GREEDY)
-        assert all(tok in top for tok, top in zip(r.choices[0].logprobs.tokens[1:], r.choices[0].logprobs.top_logprobs[1:]))
+        r = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, logprobs=30, echo=True, **GREEDY,
+                                 extra_body={"return_tokens_as_token_ids": True})  # (no two tokens share a key)
+        lp = r.choices[0].logprobs
+        assert all(tok in top and len(top) in (30, 31) for tok, top in zip(lp.tokens[1:], lp.top_logprobs[1:]))
         for path, body, param in (
             ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 31}, "top_logprobs"),
             ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
