@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
-from arcserve.outputs import Logprob, RequestOutput
+from arcserve.outputs import CompletionOutput, Logprob, RequestOutput
 from arcserve.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -44,6 +44,16 @@ def score(seq: BeamSearchSequence, eos_ids: frozenset[int] | set[int], length_pe
     return seq.cum_logprob / (max(n, 1) ** length_penalty)
 
 
+def check_width(engine, params: BeamSearchParams) -> None:
+    """A step asks for 2 x beam_width logprobs: refused, naming beam_width, where max_logprobs is lower."""
+    try:
+        engine.logprobs_count("logprobs", 2 * params.beam_width)
+    except ValueError:
+        cap = engine.args.max_logprobs
+        raise ValueError(f"beam_width must be at most {cap // 2}: each step asks for 2 x beam_width logprobs and "
+                         f"this engine's max_logprobs is {cap} (raise max_logprobs, -1 for no limit)") from None  # fmt: skip
+
+
 def beam_search(engine, run: Callable[[list[dict], SamplingParams], list[RequestOutput]], prompts: Sequence,
                 params: BeamSearchParams, use_tqdm: bool = False,
                 concurrency_limit: int | None = None) -> list[BeamSearchOutput]:  # fmt: skip
@@ -54,12 +64,7 @@ def beam_search(engine, run: Callable[[list[dict], SamplingParams], list[Request
     logprobs per step the engine's max_logprobs refuses, and for a prompt the engine refuses."""
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-    try:
-        engine.logprobs_count("logprobs", 2 * params.beam_width)
-    except ValueError:
-        cap = engine.args.max_logprobs
-        raise ValueError(f"beam_width must be at most {cap // 2}: each step asks for 2 x beam_width logprobs and "
-                         f"this engine's max_logprobs is {cap} (raise max_logprobs, -1 for no limit)") from None  # fmt: skip
+    check_width(engine, params)
     if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
         raise ValueError(f"concurrency_limit must be an integer >= 1 or None, got {concurrency_limit!r}")
     starts = []
@@ -67,55 +72,92 @@ def beam_search(engine, run: Callable[[list[dict], SamplingParams], list[Request
         _, ids = engine.prompt_tokens(p, None, params.max_tokens)
         engine.validate_prompt(ids)
         starts.append(ids)
-    step = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
-                          ignore_eos=True, detokenize=False)  # fmt: skip
-    # Beams ending in an EOS id finish (not under ignore_eos); the score drops a final EOS id always (vLLM's)
-    finish = frozenset() if params.ignore_eos else engine.eos_token_ids
     limit = concurrency_limit or max(1, len(starts))
     results = []
     for first in range(0, len(starts), limit):
-        batch = starts[first : first + limit]
-        results += _search(run, batch, engine.max_model_len, params, step, finish, engine.eos_token_ids, use_tqdm)
+        search = Search(engine, starts[first : first + limit], params)
+        steps = range(params.max_tokens)
+        for _ in tqdm(steps, desc="Beam search", unit="token") if use_tqdm else steps:
+            prompts_now = search.requests()
+            if not prompts_now:
+                break
+            search.advance(run(prompts_now, search.step))
+        results += search.outputs()
     for out in results:
         for seq in out.sequences:
             seq.text = engine.tokenizer.decode(seq.tokens, skip_special_tokens=params.skip_special_tokens)
     return results
 
 
-def _search(run, starts: list[list[int]], max_len: int, params: BeamSearchParams, step: SamplingParams,
-            finish: frozenset[int], eos: frozenset[int], use_tqdm: bool) -> list[BeamSearchOutput]:  # fmt: skip
-    """The search for a batch of prompts (token ids), all prompts' beams in one engine batch a step."""
-    width, penalty = params.beam_width, params.length_penalty
-    beams = [[BeamSearchSequence(list(ids))] for ids in starts]
-    done: list[list[BeamSearchSequence]] = [[] for _ in starts]
-    steps = range(params.max_tokens)
-    for _ in tqdm(steps, desc="Beam search", unit="token") if use_tqdm else steps:
-        live = [b for bs in beams for b in bs]
-        if not live:
-            break
-        outs = iter(run([{"prompt_token_ids": b.tokens} for b in live], step))
-        for i, bs in enumerate(beams):
+class Search:
+    """The search over a batch of prompts (token ids), all prompts' beams in one batch of requests a
+    step: requests() gives the step's prompts (None when the search is over), advance() takes their
+    outputs in order, outputs() the best sequences at the end. A driver runs the requests (LLM's
+    loop, or the server's engine client)."""
+
+    def __init__(self, engine, starts: list[list[int]], params: BeamSearchParams) -> None:
+        self.params, self.max_len, self.eos = params, engine.max_model_len, engine.eos_token_ids
+        # Beams ending in an EOS id finish (not under ignore_eos); the score drops a final EOS id always (vLLM's)
+        self.finish = frozenset() if params.ignore_eos else self.eos
+        self.step = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
+                                   ignore_eos=True, detokenize=False)  # fmt: skip
+        self.beams = [[BeamSearchSequence(list(ids))] for ids in starts]
+        self.done: list[list[BeamSearchSequence]] = [[] for _ in starts]
+        self.steps = 0
+
+    def key(self, seq: BeamSearchSequence) -> float:
+        return score(seq, self.eos, self.params.length_penalty)
+
+    def requests(self) -> list[dict] | None:
+        if self.steps >= self.params.max_tokens:
+            return None
+        live = [{"prompt_token_ids": b.tokens} for bs in self.beams for b in bs]
+        return live or None
+
+    def advance(self, outs: list[RequestOutput]) -> None:
+        self.steps += 1
+        outs = iter(outs)
+        for i, bs in enumerate(self.beams):
             grown = []
             for beam in bs:
                 entries = next(outs).outputs[0].logprobs[0]
                 for tok, lp in entries.items():
                     seq = BeamSearchSequence(beam.tokens + [tok], beam.logprobs + [entries], beam.cum_logprob + lp.logprob)
-                    if tok in finish:
+                    if tok in self.finish:
                         seq.finish_reason = "stop"
-                        done[i].append(seq)
+                        self.done[i].append(seq)
                     else:
                         grown.append(seq)
-            grown.sort(key=lambda s: score(s, eos, penalty), reverse=True)
-            beams[i] = []
-            for seq in grown[:width]:  # a beam that fills the context can grow no more
-                if len(seq.tokens) >= max_len:
+            grown.sort(key=self.key, reverse=True)
+            self.beams[i] = []
+            for seq in grown[: self.params.beam_width]:  # a beam that fills the context can grow no more
+                if len(seq.tokens) >= self.max_len:
                     seq.finish_reason = "length"
-                    done[i].append(seq)
+                    self.done[i].append(seq)
                 else:
-                    beams[i].append(seq)
-    outputs = []
-    for bs, finished in zip(beams, done):
-        for seq in bs:  # (max_tokens reached)
-            seq.finish_reason = "length"
-        outputs.append(BeamSearchOutput(sorted(finished + bs, key=lambda s: score(s, eos, penalty), reverse=True)[:width]))
-    return outputs
+                    self.beams[i].append(seq)
+
+    def outputs(self) -> list[BeamSearchOutput]:
+        outputs = []
+        for bs, finished in zip(self.beams, self.done):
+            for seq in bs:  # (max_tokens reached)
+                seq.finish_reason = "length"
+            best = sorted(finished + bs, key=self.key, reverse=True)[: self.params.beam_width]
+            outputs.append(BeamSearchOutput(best))
+        return outputs
+
+
+def request_output(out: BeamSearchOutput, prompt_ids: list[int], prompt: str | None, params: BeamSearchParams,
+                   tokenizer) -> RequestOutput:  # fmt: skip
+    """One prompt's search as the server answers it (vLLM's online form): a choice per sequence, best
+    first, with the generated tokens only; an ending EOS id stays out of the tokens and the text
+    unless include_stop_str_in_output, and is the choice's stop_reason."""
+    choices = []
+    for i, seq in enumerate(out.sequences):
+        gen = seq.tokens[len(prompt_ids) :]
+        stopped = seq.finish_reason == "stop"
+        shown = gen if not stopped or params.include_stop_str_in_output else gen[:-1]
+        text = tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens, clean_up_tokenization_spaces=False)
+        choices.append(CompletionOutput(i, text, shown, seq.cum_logprob, seq.logprobs[: len(shown)], seq.finish_reason,
+                                        gen[-1] if stopped else None))  # fmt: skip
+    return RequestOutput("", prompt, prompt_ids, choices, finished=True)

@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 import torch
+from tiny_models import beam_reference as reference
 from tiny_models import hf_greedy
 
 from arcserve import LLM, BeamSearchParams
@@ -22,34 +23,6 @@ def hf(llama_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
-
-
-def reference(model, ids, width, max_tokens, eos, penalty, max_len=256, score_eos=frozenset({2})):
-    """The search as vLLM defines it, over transformers' logits: every step extends each beam by its
-    2 x width most likely tokens, beams ending in an `eos` id are finished, the width best of the rest
-    live on; score = cumulative logprob / length ** penalty (length with the prompt, less a final
-    `score_eos` id, which vLLM drops under ignore_eos too)."""
-
-    def score(b):
-        toks, cum = b
-        return cum / max(len(toks) - (toks[-1] in score_eos), 1) ** penalty
-
-    beams, done = [(list(ids), 0.0)], []
-    for _ in range(max_tokens):
-        if not beams:
-            break
-        grown = []
-        for toks, cum in beams:
-            with torch.no_grad():
-                lp = model(torch.tensor([toks])).logits[0, -1].float().log_softmax(-1)
-            values, index = lp.topk(min(2 * width, lp.numel()))
-            for t, v in zip(index.tolist(), values.tolist()):
-                (done if t in eos else grown).append((toks + [t], cum + v))
-        grown.sort(key=score, reverse=True)
-        beams = []
-        for b in grown[:width]:
-            (done if len(b[0]) >= max_len else beams).append(b)
-    return sorted(done + beams, key=score, reverse=True)[:width]
 
 
 def prompt_ids(llm, p):
@@ -178,3 +151,26 @@ def test_bad_requests_leave_nothing_behind(llm):
     assert not engine.has_unfinished_requests()
     wide = LLM(llm.llm_engine.args.model, dtype="float32", max_model_len=256, max_logprobs=-1)
     assert len(wide.beam_search(PROMPTS[:1], BeamSearchParams(beam_width=12, max_tokens=2))[0].sequences) == 12
+
+
+def test_request_output_is_the_servers_answer(llm):
+    """The server's form of a search (vLLM's online one): generated tokens only, best first; an
+    ending EOS id left out of the tokens, text and logprobs (and named as stop_reason) unless
+    include_stop_str_in_output."""
+    from arcserve.beam_search import BeamSearchOutput, BeamSearchSequence, request_output
+    from arcserve.outputs import Logprob
+
+    tok = llm.get_tokenizer()
+    prompt = [5, 6, 7]
+    lp = [{t: Logprob(-0.5, 1)} for t in (40, 41, 2)]
+    out = BeamSearchOutput([BeamSearchSequence(prompt + [40, 41, 2], lp, -1.5, finish_reason="stop"),
+                            BeamSearchSequence(prompt + [42, 43, 44], lp, -2.0, finish_reason="length")])  # fmt: skip
+    for keep in (False, True):
+        params = BeamSearchParams(beam_width=2, max_tokens=3, include_stop_str_in_output=keep)
+        got = request_output(out, prompt, "p", params, tok)
+        assert got.prompt_token_ids == prompt and got.finished and [o.index for o in got.outputs] == [0, 1]
+        stop, length = got.outputs
+        assert stop.token_ids == ([40, 41, 2] if keep else [40, 41]) and len(stop.logprobs) == len(stop.token_ids)
+        assert stop.finish_reason == "stop" and stop.stop_reason == 2 and stop.cumulative_logprob == -1.5
+        assert stop.text == tok.decode(stop.token_ids, skip_special_tokens=True)
+        assert length.token_ids == [42, 43, 44] and length.finish_reason == "length" and length.stop_reason is None

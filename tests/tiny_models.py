@@ -136,3 +136,31 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
         )  # fmt: skip
         outs.append(g[0, len(p) :].tolist())
     return outs
+
+
+def beam_reference(model, ids, width, max_tokens, eos, penalty, max_len=256, score_eos=frozenset({2})):
+    """The search as vLLM defines it, over transformers' logits: every step extends each beam by its
+    2 x width most likely tokens, beams ending in an `eos` id are finished, the width best of the rest
+    live on; score = cumulative logprob / length ** penalty (length with the prompt, less a final
+    `score_eos` id, which vLLM drops under ignore_eos too)."""
+
+    def score(b):
+        toks, cum = b
+        return cum / max(len(toks) - (toks[-1] in score_eos), 1) ** penalty
+
+    beams, done = [(list(ids), 0.0)], []
+    for _ in range(max_tokens):
+        if not beams:
+            break
+        grown = []
+        for toks, cum in beams:
+            with torch.no_grad():
+                lp = model(torch.tensor([toks])).logits[0, -1].float().log_softmax(-1)
+            values, index = lp.topk(min(2 * width, lp.numel()))
+            for t, v in zip(index.tolist(), values.tolist()):
+                (done if t in eos else grown).append((toks + [t], cum + v))
+        grown.sort(key=score, reverse=True)
+        beams = []
+        for b in grown[:width]:
+            (done if len(b[0]) >= max_len else beams).append(b)
+    return sorted(done + beams, key=score, reverse=True)[:width]

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
 from arcserve.engine.chat_content import join_texts, text_of_part
-from arcserve.sampling_params import TRUNCATION_RANGE, SamplingParams, valid_truncation
+from arcserve.sampling_params import TRUNCATION_RANGE, BeamSearchParams, SamplingParams, valid_truncation
 
 MAX_N = 128
 MAX_STOP = 16
@@ -92,8 +92,10 @@ class _Sampling(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    # vLLM sampling extras arcserve does not implement: refused when they ask for something
+    # vLLM's beam search: n is the beam width (arcserve/beam_search.py)
     use_beam_search: bool | None = None
+    length_penalty: float = Field(1.0, allow_inf_nan=False)
+    # a vLLM sampling extra arcserve does not implement: refused when it asks for something
     logits_processors: list[Any] | None = None
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:<id>" (vLLM's)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: room for max_tokens
@@ -116,10 +118,12 @@ class _Sampling(BaseModel):
             return "stream_options", "stream_options needs stream=true (as in vLLM)"
         if self.prompt_logprobs is not None and self.stream:
             return "prompt_logprobs", "prompt_logprobs are not available with stream=true (as in vLLM)"
-        for name in ("use_beam_search", "logits_processors"):
-            v = getattr(self, name)
-            if v is not None and v is not False and v != []:
-                return name, f"{name} is not supported by arcserve; leave it out"
+        if self.logits_processors:
+            return "logits_processors", "logits_processors is not supported by arcserve; leave it out"
+        if self.use_beam_search:
+            got = self._beam_search_unsupported()
+            if got is not None:
+                return got
         if self.response_format is not None and self.response_format.type != "text":
             return "response_format", (
                 f"response_format {{'type': {self.response_format.type!r}}} is not supported: arcserve has no "
@@ -129,6 +133,34 @@ class _Sampling(BaseModel):
             if getattr(self, name) is not None:
                 return name, f"{name} is not supported: arcserve has no constrained (structured-output) decoding"
         return None
+
+    def _beam_search_unsupported(self) -> tuple[str, str] | None:
+        """use_beam_search scores the model's own logprobs: fields that would change or filter them are
+        refused rather than ignored (vLLM ignores them); seed is accepted and unused."""
+        if self.prompt_logprobs is not None:
+            return "prompt_logprobs", "use_beam_search computes no prompt logprobs; leave prompt_logprobs out"
+        filters = {"stop": self.stop, "stop_token_ids": self.stop_token_ids, "logit_bias": self.logit_bias,
+                   "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words, "min_tokens": self.min_tokens,
+                   "top_p": self.top_p not in (None, 1), "top_k": self.top_k not in (None, 0, -1),
+                   "min_p": self.min_p not in (None, 0), "presence_penalty": self.presence_penalty,
+                   "frequency_penalty": self.frequency_penalty,
+                   "repetition_penalty": self.repetition_penalty not in (None, 1)}  # fmt: skip
+        for name, v in filters.items():
+            if v:
+                return name, (f"{name} does not apply to use_beam_search: beams are scored by the model's logprobs, "
+                              "with n, max_tokens, temperature, length_penalty, ignore_eos, include_stop_str_in_output "
+                              f"and skip_special_tokens; leave {name} out")  # fmt: skip
+        if self.stream:
+            return "stream", "use_beam_search does not stream (as vLLM's completions); send stream=false"
+        return None
+
+    def to_beam_search_params(self, defaults: dict, max_tokens: int) -> BeamSearchParams:
+        """vLLM's reading: n is the beam width; temperature as for sampling (the generation config's, else 1.0)."""
+        temperature = self.temperature if self.temperature is not None else defaults.get("temperature", 1.0)
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                temperature=temperature, length_penalty=self.length_penalty,
+                                include_stop_str_in_output=self.include_stop_str_in_output,
+                                skip_special_tokens=self.skip_special_tokens)  # fmt: skip
 
     # Wrong types get one clear message each (pydantic's names a member of the union: "stop.str").
     @field_validator("stop", mode="wrap")
@@ -231,6 +263,8 @@ class CompletionRequest(_Sampling):
     def unsupported(self) -> tuple[str, str] | None:
         if self.suffix is not None:
             return "suffix", "suffix is not supported"
+        if self.use_beam_search and self.echo and self.logprobs is not None:  # (vLLM's rule)
+            return "echo", "echo with logprobs needs the prompt's logprobs, which use_beam_search does not compute"
         return super().unsupported()
 
     @field_validator("prompt", mode="wrap")

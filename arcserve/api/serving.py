@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from arcserve.api import logprobs
 from arcserve.api.errors import APIError, ClientDisconnected, bad_request, stream_error
 from arcserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from arcserve.beam_search import Search, check_width, request_output
 from arcserve.engine.async_engine import AsyncLLM, RequestStream
 from arcserve.engine.detokenizer import TokenTexts
 from arcserve.outputs import CompletionOutput, RequestOutput
@@ -157,6 +158,41 @@ class Serving:
         finally:
             _cancel(tasks, streams)
 
+    async def _beam_search(self, prompts: list[dict], body, raw: Request, requested: int | None) -> list[RequestOutput]:
+        """use_beam_search (vLLM's; n is the beam width): the offline search (arcserve/beam_search.py)
+        for each prompt at once, each step's requests through the engine as any request's; one
+        RequestOutput a prompt, its n best sequences as the choices. A refused step, or a client
+        gone, ends every prompt's search (their requests aborted)."""
+        defaults = self.llm.generation_defaults.sampling
+        searches = []
+        for p in prompts:
+            try:
+                bp = body.to_beam_search_params(defaults, self._max_tokens(requested, len(p["prompt_token_ids"])))
+                check_width(self.llm, bp)
+            except ValueError as e:
+                if not str(e).startswith("beam_width"):
+                    raise bad_request(e) from e
+                cap = self.llm.args.max_logprobs
+                raise APIError(400, f"n must be at most {cap // 2} with use_beam_search: n is the beam width, and each "
+                                    f"step asks for 2 x n logprobs, at most the server's --max-logprobs ({cap})",
+                               param="n") from e  # fmt: skip
+            searches.append((p, bp, Search(self.llm, [p["prompt_token_ids"]], bp)))
+
+        async def run(p: dict, bp, search: Search) -> RequestOutput:
+            while reqs := search.requests():
+                if await raw.is_disconnected():  # (a step can end before _finals' first poll)
+                    raise ClientDisconnected
+                streams = self._start(reqs, lambda _r: search.step, raw, body.priority, False)
+                search.advance(await self._finals(streams, raw))
+            return request_output(search.outputs()[0], p["prompt_token_ids"], p.get("prompt"), bp, self.tokenizer)
+
+        tasks = [asyncio.ensure_future(run(*s)) for s in searches]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:  # (one failed: the others stop; their streams abort as they are cancelled)
+                t.cancel()
+
     @staticmethod
     async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) from all streams as they come. One stream (the common case) is read
@@ -243,7 +279,8 @@ class Serving:
             except ValueError as e:
                 raise bad_request(e) from e
 
-        streams = self._start(prompts, params_for, raw, body.priority, body.stream)
+        beams = body.use_beam_search  # (never streamed: protocol's unsupported())
+        streams = None if beams else self._start(prompts, params_for, raw, body.priority, body.stream)
         as_ids = self._as_ids(body)
         echo = [self._prompt_text(p) if body.echo else "" for p in prompts]
         rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.n
@@ -253,7 +290,10 @@ class Serving:
                                          body.echo_only, body.return_token_ids, as_ids),
                 media_type="text/event-stream",
             )
-        outs = await self._finals(streams, raw)
+        if beams:
+            outs = await self._beam_search(prompts, body, raw, 1 if body.echo_only else body.max_tokens)
+        else:
+            outs = await self._finals(streams, raw)
         choices, completion = [], 0
         for i, out in enumerate(outs):
             for o in out.outputs:
@@ -353,7 +393,8 @@ class Serving:
                                              body.prompt_logprobs)  # fmt: skip
         except ValueError as e:
             raise bad_request(e) from e
-        streams = self._start([prompt], lambda _p: params, raw, body.priority, body.stream)
+        beams = body.use_beam_search  # (never streamed: protocol's unsupported())
+        streams = None if beams else self._start([prompt], lambda _p: params, raw, body.priority, body.stream)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         # The answer's role: the server's response role after a generation prompt, else the last
         # message's (it is continued). echo (vLLM): that message's text in front of the answer when
@@ -366,7 +407,7 @@ class Serving:
                                                        echo, role, ids if body.return_token_ids else None,
                                                        self._as_ids(body)),
                                      media_type="text/event-stream")  # fmt: skip
-        (out,) = await self._finals(streams, raw)
+        (out,) = await (self._beam_search([prompt], body, raw, requested) if beams else self._finals(streams, raw))
         choices = [{
             "index": o.index, "message": {"role": role, "content": echo + o.text},
             "logprobs": logprobs.chat(o, k, self._as_ids(body)), "finish_reason": o.finish_reason,

@@ -168,6 +168,24 @@ def test_disconnect_while_waiting_for_a_non_streamed_answer(server):
     assert not logged, [r.getMessage() for r in logged]
 
 
+def test_disconnect_ends_a_beam_search(server):
+    """A client gone from a use_beam_search request ends the search: its step's requests are aborted
+    and no later step starts (the search is many rounds of one-token requests, each a new request)."""
+    server.wait_idle()
+    before = counters(server)
+    body = {"model": MODEL, "prompt": ["x", "y", "z", "w"], "n": 8, "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "use_beam_search": True}  # fmt: skip
+    with pytest.raises(httpx.ReadTimeout):
+        server.post("/v1/completions", json=body, timeout=0.3)
+    time.sleep(0.5)  # (the server sees the client gone within its 0.1 s poll)
+    server.wait_idle(timeout=10)
+    settled = counters(server)
+    time.sleep(0.5)
+    assert counters(server) == settled  # no step after the end
+    rounds = settled["length"] - before["length"]  # one-token requests run to their end
+    assert 0 < rounds < 4 * 8 * 200
+
+
 def test_one_disconnect_leaves_the_other_streams_intact(server):
     """Four streams run together; the last one opened (the one with the most left to generate) goes
     away mid-stream. The other three must finish with exactly their solo texts."""

@@ -64,7 +64,15 @@ BAD_REQUESTS = [
                               "tool_choice": "auto"}, "tools", "tool calling"),
     ("/v1/chat/completions", {"messages": USER, "tool_choice": "required"}, "tool_choice", "required"),
     ("/v1/chat/completions", {"messages": USER, "functions": [{"name": "f"}]}, "functions", "tool calling"),
-    ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search", "not supported"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "n": 11}, "n", "at most 10"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "stream": True}, "stream", "stream"),
+    ("/v1/chat/completions", {"messages": USER, "use_beam_search": True, "stream": True}, "stream", "stream"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "stop": ["a"]}, "stop", "use_beam_search"),
+    ("/v1/chat/completions", {"messages": USER, "use_beam_search": True, "top_p": 0.5}, "top_p", "use_beam_search"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "prompt_logprobs": 1}, "prompt_logprobs", "prompt"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "echo": True, "logprobs": 1}, "echo", "echo"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "length_penalty": "long"}, "length_penalty", ""),
+    ("/v1/completions", {"prompt": "x", "logits_processors": ["f"]}, "logits_processors", "not supported"),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs", ""),
     ("/v1/chat/completions", {"messages": USER, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "stream"),
     ("/v1/completions", {"prompt": "x", "bad_words": [" "]}, "bad_words", "blank"),
@@ -152,8 +160,8 @@ def check_bad_request(server, path: str, body: dict, param, text: str, stream: b
 
 
 # ---- 400 ------------------------------------------------------------------------------------
-CASES = [(*case, False) for case in BAD_REQUESTS] + [
-    (*case, True) for case in BAD_REQUESTS if case[0].startswith("/v1/")
+CASES = [(*case, False) for case in BAD_REQUESTS] + [  # (beam search never streams: its own cases say so)
+    (*case, True) for case in BAD_REQUESTS if case[0].startswith("/v1/") and "use_beam_search" not in case[1]
 ]
 
 

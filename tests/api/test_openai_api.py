@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from tiny_models import copy_with_bos_tokenizer, text_of
+from tiny_models import beam_reference, copy_with_bos_tokenizer, text_of
 
 from .helpers import MODEL, serve, sse_data
 
@@ -779,6 +779,31 @@ def test_max_logprobs_sets_the_servers_limit(llama_dir, hf):
                                             "prompt_logprobs": -1})  # fmt: skip
         assert r.status_code == 200, r.text
         assert all(len(e) == vocab for e in r.json()["choices"][0]["prompt_logprobs"][1:])
+
+
+def test_beam_search_over_the_api_equals_the_reference(client, hf):
+    """use_beam_search (vLLM's; n is the beam width): the choices are the n best sequences of the same
+    search over transformers' logits, best first, generated tokens only; two prompts in one request
+    each get theirs; chat the same over the chat prompt."""
+    ids = [hf.tok.encode(p) for p in PROMPTS[:2]]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[:2], n=3, max_tokens=5, temperature=0,
+                                  extra_body={"use_beam_search": True, "ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    assert [c.index for c in r.choices] == list(range(6)) and r.usage.completion_tokens == 30
+    for i, p in enumerate(ids):
+        want = beam_reference(hf.model, p, 3, 5, set(), 1.0)
+        got = r.choices[3 * i : 3 * i + 3]
+        assert [c.token_ids for c in got] == [w[0][len(p) :] for w in want]
+        assert [c.text for c in got] == [hf.tok.decode(c.token_ids) for c in got]
+        assert all(c.finish_reason == "length" for c in got)
+    chat_ids = hf.chat_ids(MESSAGES)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, max_tokens=4, temperature=0,
+                                       logprobs=True, top_logprobs=2,
+                                       extra_body={"use_beam_search": True, "ignore_eos": True, "return_token_ids": True,
+                                                   "length_penalty": 0.5})  # fmt: skip
+    want = beam_reference(hf.model, chat_ids, 2, 4, set(), 0.5)
+    assert [c.token_ids for c in r.choices] == [w[0][len(chat_ids) :] for w in want]
+    for c, (_, cum) in zip(r.choices, want):
+        assert sum(x.logprob for x in c.logprobs.content) == pytest.approx(cum, abs=1e-4)
 
 
 def test_echo_without_generation(client, hf):
