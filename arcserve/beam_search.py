@@ -148,16 +148,25 @@ class Search:
 
 
 def request_output(out: BeamSearchOutput, prompt_ids: list[int], prompt: str | None, params: BeamSearchParams,
-                   tokenizer) -> RequestOutput:  # fmt: skip
+                   tokenizer, logprobs: bool = True) -> RequestOutput:  # fmt: skip
     """One prompt's search as the server answers it (vLLM's online form): a choice per sequence, best
-    first, with the generated tokens only; an ending EOS id stays out of the tokens and the text
-    unless include_stop_str_in_output, and is the choice's stop_reason."""
+    first, with the generated tokens only (and their logprobs, when asked for); an ending EOS id
+    stays out of the tokens and the text unless include_stop_str_in_output, and is the choice's
+    stop_reason. The text is decoded after the prompt's last tokens, so that a tokenizer that drops
+    a text's leading space (SentencePiece) keeps it, as the engine's own outputs do."""
     choices = []
     for i, seq in enumerate(out.sequences):
         gen = seq.tokens[len(prompt_ids) :]
         stopped = seq.finish_reason == "stop"
         shown = gen if not stopped or params.include_stop_str_in_output else gen[:-1]
-        text = tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens, clean_up_tokenization_spaces=False)
-        choices.append(CompletionOutput(i, text, shown, seq.cum_logprob, seq.logprobs[: len(shown)], seq.finish_reason,
-                                        gen[-1] if stopped else None))  # fmt: skip
+        choices.append(CompletionOutput(i, _text_after(tokenizer, prompt_ids, shown, params.skip_special_tokens), shown,
+                                        seq.cum_logprob, seq.logprobs[: len(shown)] if logprobs else None,
+                                        seq.finish_reason, gen[-1] if stopped else None))  # fmt: skip
     return RequestOutput("", prompt, prompt_ids, choices, finished=True)
+
+
+def _text_after(tokenizer, prompt_ids: list[int], ids: list[int], skip_special_tokens: bool) -> str:
+    kw = {"skip_special_tokens": skip_special_tokens, "clean_up_tokenization_spaces": False}
+    ctx = prompt_ids[-4:]
+    head, full = tokenizer.decode(ctx, **kw), tokenizer.decode(ctx + ids, **kw)
+    return full[len(head) :] if full.startswith(head) else tokenizer.decode(ids, **kw)

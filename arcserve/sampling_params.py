@@ -201,8 +201,8 @@ class BeamSearchParams:
     beam_width best sequences by each of its 2 x beam_width most likely tokens (and the one sampled
     at `temperature`, which 0 makes the most likely), and keeps the beam_width best by
     cumulative logprob / length ** length_penalty (length: prompt and output tokens, less a final
-    EOS). include_stop_str_in_output: vLLM's field; beam search has no stop strings, so it changes
-    nothing."""
+    EOS). include_stop_str_in_output: vLLM's field; LLM.beam_search's sequences hold every token
+    anyway, and the server's answers keep an ending EOS token with it."""
 
     beam_width: int
     max_tokens: int

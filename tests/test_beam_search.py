@@ -174,3 +174,21 @@ def test_request_output_is_the_servers_answer(llm):
         assert stop.finish_reason == "stop" and stop.stop_reason == 2 and stop.cumulative_logprob == -1.5
         assert stop.text == tok.decode(stop.token_ids, skip_special_tokens=True)
         assert length.token_ids == [42, 43, 44] and length.finish_reason == "length" and length.stop_reason is None
+
+
+def test_request_output_keeps_a_sentencepiece_texts_leading_space(tmp_path):
+    """A Metaspace (SentencePiece) decoder drops a text's leading space: the answer's text is decoded
+    after the prompt's last tokens, so " is the capital" keeps its space, as the engine's texts do."""
+    from tiny_models import make_tokenizer
+
+    from arcserve.beam_search import BeamSearchOutput, BeamSearchSequence, request_output
+
+    tok = make_tokenizer(tmp_path, "sp")
+    ids = tok.encode("Paris is the capital", add_special_tokens=False)
+    prompt, gen = ids[:2], ids[2:]
+    assert not tok.decode(gen).startswith(" ")  # (the decoder's own reading of the answer alone)
+    out = BeamSearchOutput([BeamSearchSequence(prompt + gen, [], -1.0, finish_reason="length")])
+    got = request_output(out, prompt, None, BeamSearchParams(beam_width=1, max_tokens=len(gen)), tok)
+    text = got.outputs[0].text
+    assert text.startswith(" ") and tok.decode(prompt) + text == tok.decode(ids)
+    assert got.outputs[0].logprobs == []

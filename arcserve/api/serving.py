@@ -109,18 +109,20 @@ class Serving:
         except ValueError as e:
             raise bad_request(e) from e
 
-    def _start(self, prompts: list, params_for, req: Request, priority: int, stream: bool) -> list[RequestStream]:
-        """Queue one engine request per prompt; all or nothing (a bad prompt aborts the others)."""
+    def _start(self, prompts: list, params_for, req: Request, priority: int, stream: bool,
+               step: bool = False) -> list[RequestStream]:  # fmt: skip
+        """Queue one engine request per prompt; all or nothing (a bad prompt aborts the others).
+        step: the requests are a beam search's step (admitted with it, and logged with it)."""
         base = f"{uuid.uuid4().hex}"
         items = [(p, params_for(p), f"{base}-{i}") for i, p in enumerate(prompts)]
-        if self.log_requests:
+        if self.log_requests and not step:
             cut = slice(self.max_log_len)
             for p, params, rid in items:
                 text = p.get("prompt")
                 logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", rid,
                             None if text is None else text[cut], params, p["prompt_token_ids"][cut])  # fmt: skip
         try:
-            return self.engine.add_requests(items, priority, stream)
+            return self.engine.add_requests(items, priority, stream, admitted=step)
         except ValueError as e:
             raise bad_request(e) from e
 
@@ -164,6 +166,8 @@ class Serving:
         RequestOutput a prompt, its n best sequences as the choices. A refused step, or a client
         gone, ends every prompt's search (their requests aborted)."""
         defaults = self.llm.generation_defaults.sampling
+        if requested == 0:  # (echo with max_tokens 0: nothing to search)
+            raise APIError(400, "max_tokens must be at least 1 with use_beam_search", param="max_tokens")
         searches = []
         for p in prompts:
             try:
@@ -177,14 +181,26 @@ class Serving:
                                     f"step asks for 2 x n logprobs, at most the server's --max-logprobs ({cap})",
                                param="n") from e  # fmt: skip
             searches.append((p, bp, Search(self.llm, [p["prompt_token_ids"]], bp)))
+        try:  # once for the whole search: its steps are admitted with it
+            self.engine.admit(body.n * len(prompts))
+        except ValueError as e:
+            raise bad_request(e) from e
+        if self.log_requests:
+            cut = slice(self.max_log_len)
+            for i, (p, bp, _) in enumerate(searches):
+                text = p.get("prompt")
+                logger.info("Received beam search %d of %d: prompt: %r, params: %s, prompt_token_ids: %s", i + 1,
+                            len(searches), None if text is None else text[cut], bp, p["prompt_token_ids"][cut])  # fmt: skip
+        logprobs = body.logprobs is not None and body.logprobs is not False  # (chat: a bool; completions: a count)
 
         async def run(p: dict, bp, search: Search) -> RequestOutput:
             while reqs := search.requests():
                 if await raw.is_disconnected():  # (a step can end before _finals' first poll)
                     raise ClientDisconnected
-                streams = self._start(reqs, lambda _r: search.step, raw, body.priority, False)
+                streams = self._start(reqs, lambda _r: search.step, raw, body.priority, False, step=True)
                 search.advance(await self._finals(streams, raw))
-            return request_output(search.outputs()[0], p["prompt_token_ids"], p.get("prompt"), bp, self.tokenizer)
+            return request_output(search.outputs()[0], p["prompt_token_ids"], p.get("prompt"), bp, self.tokenizer,
+                                  logprobs)  # fmt: skip
 
         tasks = [asyncio.ensure_future(run(*s)) for s in searches]
         try:
@@ -192,6 +208,7 @@ class Serving:
         finally:
             for t in tasks:  # (one failed: the others stop; their streams abort as they are cancelled)
                 t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     @staticmethod
     async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

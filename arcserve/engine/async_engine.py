@@ -124,6 +124,7 @@ class AsyncLLM:
         self._stop = False
         self.dead: BaseException | None = None
         self.draining = False  # shutting down: no new requests
+        self.stopped = False  # past the drain's timeout (cancel_all): nothing more starts
         self._thread = threading.Thread(target=self._run, name="arcserve-engine", daemon=True)
         if start:
             self._thread.start()
@@ -144,16 +145,20 @@ class AsyncLLM:
         the waiting queue is full, with nothing queued."""
         return self.add_requests([(prompt, params, request_id)], priority, stream)[0]
 
-    def add_requests(self, items: list[tuple], priority: int = 0, stream: bool = True) -> list[RequestStream]:
-        """(prompt, params, request_id) items, all validated before any is queued: all or nothing."""
+    def add_requests(self, items: list[tuple], priority: int = 0, stream: bool = True,
+                     admitted: bool = False) -> list[RequestStream]:  # fmt: skip
+        """(prompt, params, request_id) items, all validated before any is queued: all or nothing.
+        admitted: the items belong to a request admit() took already (a beam search's later steps):
+        no drain or waiting-queue check again, until cancel_all has stopped everything."""
         self._refuse_if_dead()
-        if self.draining:
-            raise ServerShuttingDown("the server is shutting down and takes no new requests")
+        if admitted and self.stopped:
+            raise ServerShuttingDown("the server shut down before this request finished (--shutdown-timeout)")
         prepared = []
         for prompt, params, request_id in items:
             kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
             prepared.append(self.engine.prepare_request(request_id, prompt, params, time.time(), priority, kind))
-        self._check_capacity(sum(g.params.n for g, _ in prepared))
+        if not admitted:
+            self.admit(sum(g.params.n for g, _ in prepared))
         loop = asyncio.get_running_loop()
         streams = []
         with self._lock:  # (dead is set under this lock: a stream opened here is failed by _die, or never opened)
@@ -174,10 +179,13 @@ class AsyncLLM:
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped after an internal error: {self.dead!r}")
 
-    def _check_capacity(self, new_seqs: int) -> None:
-        """503 when, with the new sequences, more than max_waiting_requests would wait. Requests the
-        engine has not seen yet are not all waiting: those that find a free max_num_seqs slot start
-        at once (unless the engine already holds waiting requests: then every newcomer waits)."""
+    def admit(self, new_seqs: int) -> None:
+        """Whether a request of new_seqs sequences may start: not while the server drains (503), and
+        503 when, with them, more than max_waiting_requests would wait. Requests the engine has not
+        seen yet are not all waiting: those that find a free max_num_seqs slot start at once (unless
+        the engine already holds waiting requests: then every newcomer waits)."""
+        if self.draining:
+            raise ServerShuttingDown("the server is shutting down and takes no new requests")
         if self.max_waiting_requests is None:
             return
         seats = self.engine.args.max_num_seqs
@@ -218,6 +226,7 @@ class AsyncLLM:
     def cancel_all(self, err: Exception) -> int:
         """Stop every unfinished request: its caller gets `err`, the engine frees its blocks.
         Returns how many were stopped (graceful shutdown past its timeout)."""
+        self.stopped = True  # (admitted requests' later parts too: a beam search's next step)
         with self._lock:
             ids = list(self._streams)
         self._deliver_all([(rid, err) for rid in ids])  # every caller first: aborts may block on a pipe

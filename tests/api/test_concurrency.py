@@ -183,7 +183,31 @@ def test_disconnect_ends_a_beam_search(server):
     time.sleep(0.5)
     assert counters(server) == settled  # no step after the end
     rounds = settled["length"] - before["length"]  # one-token requests run to their end
-    assert 0 < rounds < 4 * 8 * 200
+    assert 0 < rounds < (4 + 199 * 32) // 4  # (the whole search: 4 first rounds, then 32 beams x 199)
+
+
+def test_a_draining_server_lets_a_beam_search_finish(llama_dir):
+    """The search is admitted once: a drain that starts mid-search refuses new requests (503) and
+    lets the search's later steps run; a waiting-queue limit counts the search's n x prompts once."""
+    body = {"model": MODEL, "prompt": ["x", "y"], "n": 2, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "use_beam_search": True}  # fmt: skip
+    with serve(llama_dir, max_waiting_requests=0, max_num_seqs=4) as s:
+        result = {}
+        t = threading.Thread(target=lambda: result.update(r=s.post("/v1/completions", json=body, timeout=60)))
+        t.start()
+        deadline = time.monotonic() + 10
+        while counters(s)["length"] < 6 and time.monotonic() < deadline:  # past the search's first steps
+            time.sleep(0.01)
+        s.front.draining = True
+        refused = s.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        t.join(60)
+        assert refused.status_code == 503, refused.text
+        r = result["r"]
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 4 and r.json()["usage"]["completion_tokens"] == 4 * 40
+        s.front.draining = False
+        r = s.post("/v1/completions", json={**body, "n": 3})  # 6 sequences: more than 4 + 0 could ever take
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
 
 
 def test_one_disconnect_leaves_the_other_streams_intact(server):

@@ -804,6 +804,15 @@ def test_beam_search_over_the_api_equals_the_reference(client, hf):
     assert [c.token_ids for c in r.choices] == [w[0][len(chat_ids) :] for w in want]
     for c, (_, cum) in zip(r.choices, want):
         assert sum(x.logprob for x in c.logprobs.content) == pytest.approx(cum, abs=1e-4)
+    # logprobs only when asked for
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, max_tokens=2,
+                                       extra_body={"use_beam_search": True})  # fmt: skip
+    assert [c.logprobs for c in r.choices] == [None, None]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], n=2, max_tokens=2, extra_body={"use_beam_search": True})
+    assert [c.logprobs for c in r.choices] == [None, None]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], n=2, max_tokens=2, logprobs=0,
+                                  extra_body={"use_beam_search": True})  # fmt: skip
+    assert all(len(c.logprobs.tokens) == 2 for c in r.choices)
 
 
 def test_echo_without_generation(client, hf):

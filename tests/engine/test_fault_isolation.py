@@ -234,9 +234,9 @@ def test_a_dead_engine_fails_every_stream_opened_before_and_opens_none_after(lla
     asyncio.run(run())
 
     # The engine dies between a request's first look at it and the opening of its stream (here:
-    # while its capacity is checked): the request is refused, not left on a stream no one fails.
+    # while it is admitted): the request is refused, not left on a stream no one fails.
     front = AsyncLLM(make_engine(llama_dir, False), start=False)
-    front._check_capacity = lambda n: front._die(RuntimeError("device lost meanwhile"))
+    front.admit = lambda n: front._die(RuntimeError("device lost meanwhile"))
 
     async def run_racing():
         with pytest.raises(EngineDeadError, match="device lost meanwhile"):
