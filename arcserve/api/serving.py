@@ -191,7 +191,7 @@ class Serving:
                 text = p.get("prompt")
                 logger.info("Received beam search %d of %d: prompt: %r, params: %s, prompt_token_ids: %s", i + 1,
                             len(searches), None if text is None else text[cut], bp, p["prompt_token_ids"][cut])  # fmt: skip
-        logprobs = body.logprobs is not None and body.logprobs is not False  # (chat: a bool; completions: a count)
+        with_logprobs = body.logprobs is not None and body.logprobs is not False  # (chat: a bool; completions: a count)
 
         async def run(p: dict, bp, search: Search) -> RequestOutput:
             while reqs := search.requests():
@@ -200,7 +200,7 @@ class Serving:
                 streams = self._start(reqs, lambda _r: search.step, raw, body.priority, False, step=True)
                 search.advance(await self._finals(streams, raw))
             return request_output(search.outputs()[0], p["prompt_token_ids"], p.get("prompt"), bp, self.tokenizer,
-                                  logprobs)  # fmt: skip
+                                  with_logprobs)  # fmt: skip
 
         tasks = [asyncio.ensure_future(run(*s)) for s in searches]
         try:
