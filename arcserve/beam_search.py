@@ -9,7 +9,8 @@ counting the prompt, less a final EOS.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
@@ -29,7 +30,7 @@ class BeamSearchSequence:
     cum_logprob: float = 0.0
     text: str | None = None
     finish_reason: str | None = None  # "stop" (an EOS id) or "length" (max_tokens or max_model_len)
-    stop_reason: int | str | None = None
+    stop_reason: int | None = None  # the EOS id that finished it
 
 
 @dataclass
@@ -44,14 +45,16 @@ def score(seq: BeamSearchSequence, eos_ids: frozenset[int] | set[int], length_pe
     return seq.cum_logprob / (max(n, 1) ** length_penalty)
 
 
-def check_width(engine, params: BeamSearchParams) -> None:
-    """A step asks for 2 x beam_width logprobs: refused, naming beam_width, where max_logprobs is lower."""
+def check_width(engine, width: int, name: str = "beam_width") -> None:
+    """A step asks for 2 x width logprobs: refused, naming the width's parameter, where the engine's
+    max_logprobs is lower."""
     try:
-        engine.logprobs_count("logprobs", 2 * params.beam_width)
+        engine.logprobs_count("logprobs", 2 * width)
     except ValueError:
         cap = engine.args.max_logprobs
-        raise ValueError(f"beam_width must be at most {cap // 2}: each step asks for 2 x beam_width logprobs and "
-                         f"this engine's max_logprobs is {cap} (raise max_logprobs, -1 for no limit)") from None  # fmt: skip
+        raise ValueError(f"{name} must be at most {cap // 2}: each beam-search step asks for 2 x {name} logprobs, "
+                         f"and this engine's max_logprobs (the server's --max-logprobs) is {cap}; -1 lifts the "
+                         "limit") from None  # fmt: skip
 
 
 def beam_search(engine, run: Callable[[list[dict], SamplingParams], list[RequestOutput]], prompts: Sequence,
@@ -64,7 +67,7 @@ def beam_search(engine, run: Callable[[list[dict], SamplingParams], list[Request
     logprobs per step the engine's max_logprobs refuses, and for a prompt the engine refuses."""
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-    check_width(engine, params)
+    check_width(engine, params.beam_width)
     if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
         raise ValueError(f"concurrency_limit must be an integer >= 1 or None, got {concurrency_limit!r}")
     starts = []
@@ -76,17 +79,39 @@ def beam_search(engine, run: Callable[[list[dict], SamplingParams], list[Request
     results = []
     for first in range(0, len(starts), limit):
         search = Search(engine, starts[first : first + limit], params)
-        steps = range(params.max_tokens)
-        for _ in tqdm(steps, desc="Beam search", unit="token") if use_tqdm else steps:
-            prompts_now = search.requests()
-            if not prompts_now:
-                break
+        bar = tqdm(total=params.max_tokens, desc="Beam search", unit="token") if use_tqdm else None
+        while prompts_now := search.requests():
             search.advance(run(prompts_now, search.step))
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
         results += search.outputs()
     for out in results:
         for seq in out.sequences:
             seq.text = engine.tokenizer.decode(seq.tokens, skip_special_tokens=params.skip_special_tokens)
     return results
+
+
+async def search_each(engine, searches: list[tuple[list[int], BeamSearchParams]],
+                      run: Callable[[list[dict], SamplingParams], Awaitable[list[RequestOutput]]]) -> list[BeamSearchOutput]:  # fmt: skip
+    """One search a prompt (token ids, each with its own params), side by side, for an async caller
+    (the server): await run(prompts, params) runs a step's requests. One search failing ends the
+    others (cancelled, and awaited, before the error goes on)."""
+
+    async def one(ids: list[int], params: BeamSearchParams) -> BeamSearchOutput:
+        search = Search(engine, [ids], params)
+        while prompts := search.requests():
+            search.advance(await run(prompts, search.step))
+        return search.outputs()[0]
+
+    tasks = [asyncio.ensure_future(one(ids, params)) for ids, params in searches]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class Search:
@@ -124,7 +149,7 @@ class Search:
                 for tok, lp in entries.items():
                     seq = BeamSearchSequence(beam.tokens + [tok], beam.logprobs + [entries], beam.cum_logprob + lp.logprob)
                     if tok in self.finish:
-                        seq.finish_reason = "stop"
+                        seq.finish_reason, seq.stop_reason = "stop", tok
                         self.done[i].append(seq)
                     else:
                         grown.append(seq)
@@ -157,11 +182,10 @@ def request_output(out: BeamSearchOutput, prompt_ids: list[int], prompt: str | N
     choices = []
     for i, seq in enumerate(out.sequences):
         gen = seq.tokens[len(prompt_ids) :]
-        stopped = seq.finish_reason == "stop"
-        shown = gen if not stopped or params.include_stop_str_in_output else gen[:-1]
+        shown = gen if seq.stop_reason is None or params.include_stop_str_in_output else gen[:-1]
         choices.append(CompletionOutput(i, _text_after(tokenizer, prompt_ids, shown, params.skip_special_tokens), shown,
                                         seq.cum_logprob, seq.logprobs[: len(shown)] if logprobs else None,
-                                        seq.finish_reason, gen[-1] if stopped else None))  # fmt: skip
+                                        seq.finish_reason, seq.stop_reason))  # fmt: skip
     return RequestOutput("", prompt, prompt_ids, choices, finished=True)
 
 

@@ -34,7 +34,11 @@ def main() -> None:
     ap.add_argument("--beam-width", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     a = ap.parse_args()
-    model = make_shape_dirs(Path(tempfile.mkdtemp()))[a.shape]
+    with tempfile.TemporaryDirectory() as tmp:
+        bench(a, make_shape_dirs(Path(tmp))[a.shape])
+
+
+def bench(a, model: Path) -> None:
     llm = LLM(str(model), load_format="dummy", dtype="bfloat16", max_model_len=a.prompt_len + a.max_tokens + 16)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(1000, 30000, a.prompt_len).tolist()} for _ in range(a.prompts)]
@@ -42,12 +46,12 @@ def main() -> None:
     sample = SamplingParams(n=a.beam_width, max_tokens=a.max_tokens, ignore_eos=True, temperature=0.8, seed=0)
     runs = {"beam_search": lambda: llm.beam_search(prompts, beam),
             "generate_n": lambda: llm.generate(prompts, sample, use_tqdm=False)}  # fmt: skip
-    for run in runs.values():
-        run()  # warm-up (graphs, kernels)
+    for go in runs.values():
+        go()  # warm-up (graphs, kernels)
     times = {}
-    for name, run in list(runs.items()) * 2:
+    for name, go in list(runs.items()) * 2:
         t = time.perf_counter()
-        run()
+        go()
         times.setdefault(name, []).append(time.perf_counter() - t)
     tokens = a.prompts * a.beam_width * a.max_tokens
     print(f"{a.shape}: {a.prompts} prompts x {a.prompt_len} tokens, beam_width {a.beam_width}, max_tokens {a.max_tokens}")

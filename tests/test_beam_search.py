@@ -47,6 +47,7 @@ def check(llm, hf, out, width, max_tokens, eos, penalty, max_len=256):
             assert s.cum_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(gen, s.logprobs)), abs=1e-5)
             stopped = gen[-1] in eos
             assert s.finish_reason == ("stop" if stopped else "length")
+            assert s.stop_reason == (gen[-1] if stopped else None)
             assert stopped or len(gen) == max_tokens or len(s.tokens) == max_len
 
 
@@ -163,7 +164,7 @@ def test_request_output_is_the_servers_answer(llm):
     tok = llm.get_tokenizer()
     prompt = [5, 6, 7]
     lp = [{t: Logprob(-0.5, 1)} for t in (40, 41, 2)]
-    out = BeamSearchOutput([BeamSearchSequence(prompt + [40, 41, 2], lp, -1.5, finish_reason="stop"),
+    out = BeamSearchOutput([BeamSearchSequence(prompt + [40, 41, 2], lp, -1.5, finish_reason="stop", stop_reason=2),
                             BeamSearchSequence(prompt + [42, 43, 44], lp, -2.0, finish_reason="length")])  # fmt: skip
     for keep in (False, True):
         params = BeamSearchParams(beam_width=2, max_tokens=3, include_stop_str_in_output=keep)

@@ -8,7 +8,6 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -16,10 +15,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from arcserve.api import logprobs
 from arcserve.api.errors import APIError, ClientDisconnected, bad_request, stream_error
 from arcserve.api.protocol import ChatCompletionRequest, CompletionRequest
-from arcserve.beam_search import Search, check_width, request_output
+from arcserve.api.streams import finals, merged
+from arcserve.beam_search import check_width, request_output, search_each
 from arcserve.engine.async_engine import AsyncLLM, RequestStream
 from arcserve.engine.detokenizer import TokenTexts
 from arcserve.outputs import CompletionOutput, RequestOutput
+from arcserve.sampling_params import SamplingParams
 
 # Prompts longer than this (characters) are tokenized, and chats rendered, in a worker thread: a
 # megabyte takes the tokenizer seconds, during which the event loop would serve no one else.
@@ -109,6 +110,12 @@ class Serving:
         except ValueError as e:
             raise bad_request(e) from e
 
+    def _log_request(self, what: str, p: dict, params) -> None:
+        cut = slice(self.max_log_len)
+        text = p.get("prompt")
+        logger.info("Received %s: prompt: %r, params: %s, prompt_token_ids: %s", what,
+                    None if text is None else text[cut], params, p["prompt_token_ids"][cut])  # fmt: skip
+
     def _start(self, prompts: list, params_for, req: Request, priority: int, stream: bool,
                step: bool = False) -> list[RequestStream]:  # fmt: skip
         """Queue one engine request per prompt; all or nothing (a bad prompt aborts the others).
@@ -116,11 +123,8 @@ class Serving:
         base = f"{uuid.uuid4().hex}"
         items = [(p, params_for(p), f"{base}-{i}") for i, p in enumerate(prompts)]
         if self.log_requests and not step:
-            cut = slice(self.max_log_len)
             for p, params, rid in items:
-                text = p.get("prompt")
-                logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", rid,
-                            None if text is None else text[cut], params, p["prompt_token_ids"][cut])  # fmt: skip
+                self._log_request(f"request {rid}", p, params)
         try:
             return self.engine.add_requests(items, priority, stream, admitted=step)
         except ValueError as e:
@@ -147,105 +151,34 @@ class Serving:
         cap = self.llm.generation_defaults.sampling.get("max_tokens")
         return min(x for x in (requested, cap, limit - prompt_len) if x is not None)
 
-    async def _finals(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
-        """Wait for every stream's final output; abort them all if the client goes away."""
-        tasks = [asyncio.ensure_future(s.__anext__()) for s in streams]
-        try:
-            while True:
-                done, pending = await asyncio.wait(tasks, timeout=0.1)  # also how soon a gone client is seen
-                if not pending:
-                    return [t.result() for t in tasks]
-                if await raw.is_disconnected():
-                    raise ClientDisconnected
-        finally:
-            _cancel(tasks, streams)
-
     async def _beam_search(self, prompts: list[dict], body, raw: Request, requested: int | None) -> list[RequestOutput]:
         """use_beam_search (vLLM's; n is the beam width): the offline search (arcserve/beam_search.py)
-        for each prompt at once, each step's requests through the engine as any request's; one
-        RequestOutput a prompt, its n best sequences as the choices. A refused step, or a client
-        gone, ends every prompt's search (their requests aborted)."""
-        defaults = self.llm.generation_defaults.sampling
+        for each prompt, side by side, each step's requests through the engine as any request's; one
+        RequestOutput a prompt, its n best sequences as the choices. The search is admitted once; a
+        refused step, or a client gone, ends every prompt's search (their requests aborted)."""
         if requested == 0:  # (echo with max_tokens 0: nothing to search)
             raise APIError(400, "max_tokens must be at least 1 with use_beam_search", param="max_tokens")
-        searches = []
-        for p in prompts:
-            try:
-                bp = body.to_beam_search_params(defaults, self._max_tokens(requested, len(p["prompt_token_ids"])))
-                check_width(self.llm, bp)
-            except ValueError as e:
-                if not str(e).startswith("beam_width"):
-                    raise bad_request(e) from e
-                cap = self.llm.args.max_logprobs
-                raise APIError(400, f"n must be at most {cap // 2} with use_beam_search: n is the beam width, and each "
-                                    f"step asks for 2 x n logprobs, at most the server's --max-logprobs ({cap})",
-                               param="n") from e  # fmt: skip
-            searches.append((p, bp, Search(self.llm, [p["prompt_token_ids"]], bp)))
-        try:  # once for the whole search: its steps are admitted with it
-            self.engine.admit(body.n * len(prompts))
+        defaults = self.llm.generation_defaults.sampling
+        try:
+            check_width(self.llm, body.n, "n")
+            params = [body.to_beam_search_params(defaults, self._max_tokens(requested, len(p["prompt_token_ids"])))
+                      for p in prompts]  # fmt: skip
+            self.engine.admit(body.n * len(prompts))  # (its steps then pass add_requests(admitted=True))
         except ValueError as e:
             raise bad_request(e) from e
         if self.log_requests:
-            cut = slice(self.max_log_len)
-            for i, (p, bp, _) in enumerate(searches):
-                text = p.get("prompt")
-                logger.info("Received beam search %d of %d: prompt: %r, params: %s, prompt_token_ids: %s", i + 1,
-                            len(searches), None if text is None else text[cut], bp, p["prompt_token_ids"][cut])  # fmt: skip
+            for i, (p, bp) in enumerate(zip(prompts, params)):
+                self._log_request(f"beam search {i + 1} of {len(prompts)}", p, bp)
+
+        async def run(reqs: list[dict], step: SamplingParams) -> list[RequestOutput]:
+            if await raw.is_disconnected():  # (a step can end before finals' first poll)
+                raise ClientDisconnected
+            return await finals(self._start(reqs, lambda _r: step, raw, body.priority, False, step=True), raw)
+
+        outs = await search_each(self.llm, [(p["prompt_token_ids"], bp) for p, bp in zip(prompts, params)], run)
         with_logprobs = body.logprobs is not None and body.logprobs is not False  # (chat: a bool; completions: a count)
-
-        async def run(p: dict, bp, search: Search) -> RequestOutput:
-            while reqs := search.requests():
-                if await raw.is_disconnected():  # (a step can end before _finals' first poll)
-                    raise ClientDisconnected
-                streams = self._start(reqs, lambda _r: search.step, raw, body.priority, False, step=True)
-                search.advance(await self._finals(streams, raw))
-            return request_output(search.outputs()[0], p["prompt_token_ids"], p.get("prompt"), bp, self.tokenizer,
-                                  with_logprobs)  # fmt: skip
-
-        tasks = [asyncio.ensure_future(run(*s)) for s in searches]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for t in tasks:  # (one failed: the others stop; their streams abort as they are cancelled)
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    @staticmethod
-    async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) from all streams as they come. One stream (the common case) is read
-        directly: its deltas then stay in its own queue until read, where those that pile up join
-        (async_engine.OutputQueue), and no hand-off task runs per token."""
-        if len(streams) == 1:
-            try:
-                async for out in streams[0]:
-                    yield 0, out
-            finally:
-                streams[0].close()
-            return
-        q: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, s: RequestStream) -> None:
-            try:
-                async for out in s:
-                    await q.put((i, out))
-            except BaseException as e:  # hand errors to the consumer
-                await q.put((i, e))
-            finally:
-                await q.put((i, None))
-
-        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-        try:
-            left = len(streams)
-            while left:
-                i, item = await q.get()
-                if item is None:
-                    left -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield i, item
-        finally:
-            _cancel(tasks, streams)
+        return [request_output(o, p["prompt_token_ids"], p.get("prompt"), bp, self.tokenizer, with_logprobs)
+                for o, p, bp in zip(outs, prompts, params)]  # fmt: skip
 
     @staticmethod
     def _usage(prompt_lens: list[int], completion: int) -> dict:
@@ -310,7 +243,7 @@ class Serving:
         if beams:
             outs = await self._beam_search(prompts, body, raw, 1 if body.echo_only else body.max_tokens)
         else:
-            outs = await self._finals(streams, raw)
+            outs = await finals(streams, raw)
         choices, completion = [], 0
         for i, out in enumerate(outs):
             for o in out.outputs:
@@ -350,7 +283,7 @@ class Serving:
         # a later delta (its prompt computed a step later) echoes them from there.
         prompt_lps: dict[int, list] = {}
         try:
-            async for i, out in self._merge(streams):
+            async for i, out in merged(streams):
                 if out.prompt_logprobs is not None:
                     prompt_lps.setdefault(i, out.prompt_logprobs)
                 for o in out.outputs:
@@ -424,7 +357,7 @@ class Serving:
                                                        echo, role, ids if body.return_token_ids else None,
                                                        self._as_ids(body)),
                                      media_type="text/event-stream")  # fmt: skip
-        (out,) = await (self._beam_search([prompt], body, raw, requested) if beams else self._finals(streams, raw))
+        (out,) = await (self._beam_search([prompt], body, raw, requested) if beams else finals(streams, raw))
         choices = [{
             "index": o.index, "message": {"role": role, "content": echo + o.text},
             "logprobs": logprobs.chat(o, k, self._as_ids(body)), "finish_reason": o.finish_reason,
@@ -452,7 +385,7 @@ class Serving:
             yield chunk([{"index": i, "delta": {"role": role, "content": echo}, "logprobs": None,
                           "finish_reason": None} for i in range(n)],
                         **({"prompt_token_ids": prompt_ids} if prompt_ids is not None else {}))  # fmt: skip
-            async for _i, out in self._merge(streams):
+            async for _i, out in merged(streams):
                 for o in out.outputs:
                     completion += len(o.token_ids)
                     per_choice[o.index] = per_choice.get(o.index, 0) + len(o.token_ids)
@@ -478,14 +411,6 @@ def _usage_mode(body) -> str | None:
     if not (so and so.include_usage):
         return None
     return "every" if so.continuous_usage_stats else "final"
-
-
-def _cancel(tasks: list[asyncio.Future], streams: list[RequestStream]) -> None:
-    """Stop waiting and abort whatever has not finished (a finished stream's close is a no-op)."""
-    for t in tasks:
-        t.cancel()
-    for s in streams:
-        s.close()
 
 
 def _nothing_generated(o: CompletionOutput) -> CompletionOutput:

@@ -78,14 +78,8 @@ class InputProcessor:
         """A request's number of logprobs per token (`name` is its parameter): -1 is the whole vocabulary
         (vLLM's); more than max_logprobs is refused (max_logprobs -1: no limit); more than the
         vocabulary gives the whole vocabulary."""
-        if k is None:
+        if k is None:  # (k is an integer >= -1: SamplingParams and the API's models check that)
             return None
-        try:  # (a SamplingParams changed after it was made is checked again here: never a step's failure)
-            k = operator.index(k)
-        except TypeError:
-            k = -2
-        if k < -1:
-            raise ValueError(f"{name} must be an integer >= 0, or -1 (the whole vocabulary)")
         vocab, cap = self.model_config.vocab_size, self.args.max_logprobs
         n = vocab if k == -1 else k
         if cap != -1 and n > cap:

@@ -91,7 +91,8 @@ class StepHandle:
             if top_ids is not None and min(ks) == top_ids.shape[1]:  # one conversion when all rows want it all
                 top_ids, top_lp = top_ids.tolist(), top_lp.tolist()
             elif top_ids is not None:  # each row only its own k (a vocabulary-wide row beside narrow ones)
-                top_ids, top_lp = [top_ids[j, :k].tolist() for j, k in enumerate(ks)], [top_lp[j, :k].tolist() for j, k in enumerate(ks)]
+                top_ids = [top_ids[j, :k].tolist() for j, k in enumerate(ks)]
+                top_lp = [top_lp[j, :k].tolist() for j, k in enumerate(ks)]
             for j, i in enumerate(self.logprob_rows):
                 req = reqs[i]
                 entries = _entries(tokens[i], tok_lp[j], ranks[j], top_ids, top_lp, j, req.params.logprobs)
