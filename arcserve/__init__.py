@@ -5,7 +5,12 @@ from arcserve.config import EngineArgs
 from arcserve.engine.engine import LLMEngine
 from arcserve.llm import LLM
 from arcserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from arcserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from arcserve.sampling_params import (
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 __version__ = "0.1.0"
 
@@ -14,6 +19,7 @@ __all__ = [
     "LLMEngine",
     "EngineArgs",
     "SamplingParams",
+    "StructuredOutputsParams",
     "BeamSearchParams",
     "BeamSearchOutput",
     "BeamSearchSequence",

@@ -20,6 +20,63 @@ def valid_truncation(k) -> bool:
     return k is None or (isinstance(k, int) and not isinstance(k, bool) and (k >= 1 or k == -1))
 
 
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's class and fields; exactly one of json,
+    regex, choice, grammar and json_object): the output is held to a JSON schema (json: a schema as
+    a dict or its JSON text), a regular expression, one of the choice strings, a grammar (GBNF as
+    vLLM's default backend reads it, or Lark), or any JSON object. disable_any_whitespace: JSON with
+    no whitespace between its tokens; disable_additional_properties: a schema's objects take only
+    the properties it names (where it does not say). Enforced by masking, at every step, the tokens
+    that could not continue a valid output (engine/structured.py)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    # vLLM's, not available here: refused when set (see __post_init__)
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.whitespace_pattern is not None:
+            raise ValueError("structured_outputs.whitespace_pattern is not supported (arcserve's grammar engine "
+                             "allows JSON's own whitespace, or none with disable_any_whitespace)")  # fmt: skip
+        if self.structural_tag is not None:
+            raise ValueError("structured_outputs.structural_tag is not supported; use json, regex, choice, grammar "
+                             "or json_object")  # fmt: skip
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar and "
+                             f"json_object; got {kinds or 'none'}")  # fmt: skip
+        kind, v = kinds[0], getattr(self, kinds[0])
+        ok = {
+            "json": isinstance(v, (str, dict)) and v != "",
+            "regex": isinstance(v, str) and v != "",
+            "choice": isinstance(v, (list, tuple)) and bool(v) and all(isinstance(c, str) and c for c in v),
+            "grammar": isinstance(v, str) and v.strip() != "",
+            "json_object": v is True,
+        }[kind]
+        if not ok:
+            want = {"json": "a JSON schema (a dict or its JSON text)", "regex": "a non-empty regular expression",
+                    "choice": "a non-empty list of non-empty strings", "grammar": "a non-empty grammar text",
+                    "json_object": "true"}[kind]  # fmt: skip
+            raise ValueError(f"structured_outputs.{kind} must be {want}, got {v!r}")
+        if kind == "choice":
+            self.choice = list(v)
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: json, regex, choice, grammar or json_object."""
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) is not None)
+
+
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # every output holds everything generated so far
     DELTA = 1  # every output holds only what is new since the last one
@@ -60,6 +117,10 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Hold the output to a JSON schema, regex, choice or grammar (vLLM's field; None: unconstrained).
+    structured_outputs: StructuredOutputsParams | None = None
+    # Filled by the engine: the grammar engine's form of structured_outputs, checked against the tokenizer.
+    _grammar: str | None = field(default=None, repr=False)
     # Filled by the engine: the model's EOS ids (config, generation_config and tokenizer).
     _eos_token_ids: frozenset[int] = field(default=frozenset(), repr=False)
     # The tokenizer's EOS; a sequence stopped by another of _eos_token_ids (generation_config's
@@ -161,6 +222,14 @@ class SamplingParams:
             if clean[0] < 0:
                 raise bad("allowed_token_ids", "a non-empty list of token ids >= 0 (or None)")
             self.allowed_token_ids = clean
+        so = self.structured_outputs
+        if isinstance(so, dict):  # (vLLM takes the dataclass; a dict of its fields is read as one)
+            try:
+                so = self.structured_outputs = StructuredOutputsParams(**so)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise bad("structured_outputs", "a StructuredOutputsParams (or None)")
 
     @property
     def greedy(self) -> bool:

@@ -164,3 +164,45 @@ def beam_reference(model, ids, width, max_tokens, eos, penalty, max_len=256, sco
         for b in grown[:width]:
             (done if len(b[0]) >= max_len else beams).append(b)
     return sorted(done + beams, key=score, reverse=True)[:width]
+
+
+def _matcher(model_dir, so):
+    """A matcher built here, from llguidance's own constructors (not arcserve's translation)."""
+    import llguidance
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    tok = llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(model_dir), n_vocab=MODEL_VOCAB, eos_token=[2])
+    kind = so.kind
+    if kind in ("json", "json_object"):
+        schema = json.loads(so.json) if isinstance(so.json, str) else so.json or {"type": "object"}
+        g = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": not so.disable_any_whitespace})
+    elif kind == "regex":
+        g = llguidance.LLMatcher.grammar_from_regex(so.regex)
+    elif kind == "choice":
+        g = llguidance.grammar_from("choice", json.dumps(so.choice))
+    else:
+        g = llguidance.grammar_from("grammar", so.grammar)
+    return llguidance.LLMatcher(tok, g)
+
+
+def grammar_greedy(model, model_dir, prompt: list[int], so, max_tokens: int) -> list[int]:
+    """transformers' greedy tokens with every token a StructuredOutputsParams' grammar does not allow
+    masked, step by step, the grammar's matcher built here from llguidance's own constructors (not
+    arcserve's translation); ends with EOS (id 2) when the grammar is complete and EOS wins."""
+    import numpy as np
+
+    m = _matcher(model_dir, so)
+    ids, out = list(prompt), []
+    for _ in range(max_tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        allowed = torch.from_numpy(bits[: logits.shape[0]].astype(bool))
+        t = int(torch.where(allowed, logits, float("-inf")).argmax())
+        out.append(t)
+        if t == 2:
+            break
+        assert m.consume_token(t)
+        ids.append(t)
+    return out

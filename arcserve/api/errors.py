@@ -19,6 +19,14 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+class FieldError(ValueError):
+    """A ValueError about one request field (`param`): bad_request names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class ClientDisconnected(Exception):
     """The client went away before its non-streamed answer was ready (its requests are aborted)."""
 
@@ -48,6 +56,6 @@ def bad_request(e: Exception) -> APIError:
     """A ValueError from validation -> 400, naming the parameter when the message starts with it."""
     msg = str(e)
     m = re.match(r"^([a-z_]+) must ", msg)
-    param = m.group(1) if m else None
+    param = e.param if isinstance(e, FieldError) else m.group(1) if m else None
     code = "context_length_exceeded" if "max_model_len" in msg else "invalid_value"
     return APIError(400, msg, param=param, code=code)

@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI API (plus vLLM's extra sampling fields), as pydantic models.
 
 Unknown fields are accepted and ignored (clients send vendor extras); wrong types and out-of-range
-values are 400s, and so are known fields asking for what arcserve cannot do (structured output, tool
-calls, suffix...: unsupported()), rather than being answered as if they were not there.
+values are 400s, and so are known fields asking for what arcserve cannot do (tool calls, suffix...:
+unsupported()), rather than being answered as if they were not there.
 to_sampling_params() fills unset fields from the model's generation_config defaults.
 Limits: n <= MAX_N; at most MAX_STOP stop strings (and bad_words) of at most MAX_STOP_LEN characters;
 at most MAX_PROMPTS prompts and MAX_CHOICES choices (prompts x n) per request; seed + n - 1 fits in
@@ -16,8 +16,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
+from arcserve.api import tools
+from arcserve.api.errors import FieldError
 from arcserve.engine.chat_content import join_texts, text_of_part
-from arcserve.sampling_params import TRUNCATION_RANGE, BeamSearchParams, SamplingParams, valid_truncation
+from arcserve.sampling_params import (
+    TRUNCATION_RANGE,
+    BeamSearchParams,
+    SamplingParams,
+    StructuredOutputsParams,
+    valid_truncation,
+)
 
 MAX_N = 128
 MAX_STOP = 16
@@ -49,9 +57,25 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM: with include_usage, usage so far in every chunk too
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format json_schema: the schema (under "schema") and fields arcserve does not use."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")  # json_schema and the like: refused by type anyway
+    model_config = ConfigDict(extra="allow")  # other types' fields: such types are refused
     type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+# vLLM's older guided_* fields and the StructuredOutputsParams field each sets
+_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+           ("guided_grammar", "grammar"), ("guided_whitespace_pattern", "whitespace_pattern"))  # fmt: skip
 
 
 class _Sampling(BaseModel):
@@ -83,15 +107,15 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     priority: int = 0
     return_token_ids: bool = False  # vLLM's: the prompt's and the answer's token ids in the response
-    # Structured output (OpenAI's response_format, vLLM's guided_* and structured_outputs) needs
-    # constrained decoding, which arcserve does not have: such requests are refused (unsupported()),
-    # never answered unconstrained.
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
+    # fields (structured(); engine/structured.py). guided_decoding_backend is ignored (one backend).
     response_format: ResponseFormat | None = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
     # vLLM's beam search: n is the beam width (arcserve/beam_search.py)
     use_beam_search: bool | None = None
     length_penalty: float = Field(1.0, allow_inf_nan=False)
@@ -124,15 +148,51 @@ class _Sampling(BaseModel):
             got = self._beam_search_unsupported()
             if got is not None:
                 return got
-        if self.response_format is not None and self.response_format.type != "text":
+        rf = self.response_format
+        if rf is not None and rf.type not in ("text", "json_object", "json_schema"):
             return "response_format", (
-                f"response_format {{'type': {self.response_format.type!r}}} is not supported: arcserve has no "
-                "constrained (structured-output) decoding; leave response_format out or use {'type': 'text'}"
+                f"response_format {{'type': {rf.type!r}}} is not supported; use 'text', 'json_object' or 'json_schema'"
             )
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
-            if getattr(self, name) is not None:
-                return name, f"{name} is not supported: arcserve has no constrained (structured-output) decoding"
         return None
+
+    def structured(self) -> tuple[str, StructuredOutputsParams] | None:
+        """(the field that asked, the constraint) of response_format, structured_outputs and the guided_*
+        fields, or None. As in vLLM, response_format's constraint replaces structured_outputs' (its other
+        options stay); more than one constraint in all is a FieldError, as is a malformed one."""
+        asked, fields = self._constraint_fields()
+        if not asked:
+            return None
+        return self._constraint(asked[0] if len(asked) == 1 else "structured_outputs", fields)
+
+    def _constraint_fields(self) -> tuple[list[str], dict[str, Any]]:
+        """(the fields that ask for a constraint, StructuredOutputsParams' fields from all of them)."""
+        fields = dict(self.structured_outputs or {})
+        asked = ["structured_outputs"] if self.structured_outputs is not None else []
+        rf = self.response_format
+        if rf is not None and rf.type in ("json_object", "json_schema"):
+            asked.append("response_format")
+            if rf.type == "json_object":
+                fields["json_object"] = True
+            elif rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise FieldError("response_format", "response_format of type 'json_schema' needs json_schema.schema "
+                                 "(the JSON schema)")  # fmt: skip
+            else:
+                fields["json"] = rf.json_schema.json_schema
+        for name, key in _GUIDED:
+            if getattr(self, name) is not None:
+                asked.append(name)
+                fields[key] = getattr(self, name)
+        return asked, fields
+
+    def _constraint(self, field: str, fields: dict[str, Any]) -> tuple[str, StructuredOutputsParams]:
+        if self.use_beam_search:
+            raise FieldError(field, f"{field} does not apply to use_beam_search (beams follow the model's logprobs alone)")
+        try:
+            return field, StructuredOutputsParams(**fields)
+        except TypeError as e:  # a key StructuredOutputsParams does not have
+            raise FieldError(field, f"structured_outputs: {e}".replace("StructuredOutputsParams.__init__() ", "")) from None
+        except ValueError as e:
+            raise FieldError(field, str(e)) from None
 
     def _beam_search_unsupported(self) -> tuple[str, str] | None:
         """use_beam_search scores the model's own logprobs: fields that would change or filter them are
@@ -208,7 +268,8 @@ class _Sampling(BaseModel):
             )
 
     def to_sampling_params(self, defaults: dict, max_tokens: int | None, logprobs: int | None,
-                           prompt_logprobs: int | None = None) -> SamplingParams:  # fmt: skip
+                           prompt_logprobs: int | None = None,
+                           structured: StructuredOutputsParams | None = None) -> SamplingParams:  # fmt: skip
         def pick(name: str, fallback):
             v = getattr(self, name)
             return v if v is not None else defaults.get(name, fallback)
@@ -230,7 +291,7 @@ class _Sampling(BaseModel):
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias, allowed_token_ids=self.allowed_token_ids,
             truncate_prompt_tokens=self.truncate_prompt_tokens, bad_words=self.bad_words,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens, structured_outputs=structured,
         )  # fmt: skip
 
 
@@ -369,26 +430,47 @@ class ChatCompletionRequest(_Sampling):
     reasoning_effort: str | None = None  # a template variable; "none" turns thinking off (enable_thinking), as vLLM
     chat_template: str | None = None  # used only when the server trusts request templates (vLLM's rule)
     echo: bool = False  # the last message's content in front of the answer, when it is the answer's role
-    # Tool calling needs a tool-call parser, which arcserve does not have: tools are refused, not
-    # silently left out of the prompt, unless tool_choice is "none" (then only rendered, as vLLM);
-    # tool_choice only as "none" or "auto" without tools.
+    # Tools reach the chat template. A call the request forces (tool_choice "required" or a function
+    # named) is generated under a JSON schema and answered as tool_calls (api/tools.py); "auto" (the
+    # default with tools) needs a parser of free text and is refused, as are the legacy functions.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        for name in ("tools", "functions"):
-            if getattr(self, name) and not (name == "tools" and self.tool_choice == "none"):
-                return name, (
-                    f"{name} are not supported: arcserve has no tool calling (no tool-call parser); leave {name} "
-                    "out, or send tool_choice 'none' to have the tools only rendered into the prompt"
-                )
-        for name in ("tool_choice", "function_call"):
-            v = getattr(self, name)
-            if v is not None and v not in ("none", "auto"):
-                return name, f"{name} {v!r} asks for a tool call, which arcserve does not support (no tools)"
+        if self.functions:
+            return "functions", "functions (the legacy form of tools) are not supported; send tools"
+        if self.function_call is not None and self.function_call not in ("none", "auto"):
+            return "function_call", f"function_call {self.function_call!r} is not supported; send tool_choice"
+        if self.tools and self.tool_choice in (None, "auto"):
+            return "tool_choice", (
+                "tool_choice 'auto' (the default with tools) is not supported: it needs a model-specific parser of tool "
+                "calls in free text, which arcserve does not have; send tool_choice 'required', name a function "
+                "({'type': 'function', 'function': {'name': ...}}), or 'none' to have the tools only shown to the model"
+            )  # fmt: skip
         return super().unsupported()
+
+    @property
+    def forced_call(self) -> str | None:
+        """The function tool_choice names, "required", or None (FieldError for a choice that cannot be met)."""
+        return tools.forced(self.tool_choice, self.tools)
+
+    def structured(self) -> tuple[str, StructuredOutputsParams] | None:
+        """As the base's, or a forced tool call's schema (api/tools.py), which takes no other constraint
+        (structured_outputs' options, such as disable_any_whitespace, apply to it)."""
+        choice = self.forced_call
+        if choice is None:
+            return super().structured()
+        asked, fields = self._constraint_fields()
+        other = [k for k in ("json", "regex", "choice", "grammar", "json_object") if fields.get(k) is not None]
+        if other:
+            named = [a for a in asked if a != "structured_outputs"] or [f"structured_outputs.{other[0]}"]
+            raise FieldError("tool_choice", f"tool_choice {self.tool_choice!r} cannot be combined with {named[0]}: "
+                             "a forced tool call is itself a structured output")  # fmt: skip
+        fields["json"] = tools.schema(choice, self.tools, self.parallel_tool_calls)
+        return self._constraint("tool_choice", fields)
 
 
 class TokenizeRequest(BaseModel):

@@ -12,7 +12,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from arcserve.api import logprobs
+from arcserve.api import logprobs, tools
 from arcserve.api.errors import APIError, ClientDisconnected, bad_request, stream_error
 from arcserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from arcserve.api.streams import finals, merged
@@ -60,6 +60,7 @@ class Serving:
         self.llm = engine.engine
         self.model_name = model_name
         self.tokenizer = self.llm.tokenizer
+        self.llm.grammars.warm()  # (structured outputs: checked here before they are queued)
         self._token_str = TokenTexts(self.tokenizer)  # text of one token id, decoded once per id
 
     # ---- shared --------------------------------------------------------------------------------
@@ -198,6 +199,23 @@ class Serving:
         if got is not None:
             raise APIError(400, got[1], param=got[0], code="unsupported")
 
+    async def _structured(self, body):
+        """The body's structured-output constraint (None if it has none), its grammar checked here, in a
+        worker thread (a schema can take milliseconds; the first request may build the grammar engine's
+        view of the tokenizer): a 400 names the field that asked for it."""
+        try:
+            got = body.structured()
+        except ValueError as e:
+            raise bad_request(e) from e
+        if got is None:
+            return None
+        field, so = got
+        try:
+            await asyncio.to_thread(self.llm.grammars.check, so)
+        except ValueError as e:
+            raise APIError(400, str(e), param=field) from e
+        return so
+
     def _logprob_counts(self, body, *names: str) -> None:
         """The body's logprobs counts as the engine reads them: -1 is the whole vocabulary; above
         --max-logprobs a 400 naming the parameter."""
@@ -212,6 +230,7 @@ class Serving:
         self._logprob_counts(body, "logprobs", "prompt_logprobs")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of must equal n (or be left out)", param="best_of")
+        structured = await self._structured(body)
         try:  # tokenize once; the engine gets token ids
             todo = body.prompts()
             prompts = await off_loop(sum(len(p) for p in todo if isinstance(p, str)), self._tokenize, todo,
@@ -225,7 +244,7 @@ class Serving:
             mt = self._max_tokens(1 if body.echo_only else body.max_tokens, len(p["prompt_token_ids"]))
             try:  # echo with logprobs and prompt_logprobs both need the prompt's logprobs
                 wanted = [x for x in (body.logprobs if body.echo else None, body.prompt_logprobs) if x is not None]
-                return body.to_sampling_params(defaults, mt, body.logprobs, max(wanted, default=None))
+                return body.to_sampling_params(defaults, mt, body.logprobs, max(wanted, default=None), structured)
             except ValueError as e:
                 raise bad_request(e) from e
 
@@ -331,6 +350,7 @@ class Serving:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         self._logprob_counts(body, "top_logprobs", "prompt_logprobs")
+        structured = await self._structured(body)
         chat_template = self.request_template(body, chat_template)
         requested = body.max_completion_tokens or body.max_tokens
         text, ids = self.llm.truncate_prompt(*await self.render_chat(body, chat_template),
@@ -340,7 +360,7 @@ class Serving:
         mt = self._max_tokens(requested, len(ids))
         try:
             params = body.to_sampling_params(self.llm.generation_defaults.sampling, mt, k if body.logprobs else None,
-                                             body.prompt_logprobs)  # fmt: skip
+                                             body.prompt_logprobs, structured)  # fmt: skip
         except ValueError as e:
             raise bad_request(e) from e
         beams = body.use_beam_search  # (never streamed: protocol's unsupported())
@@ -352,17 +372,25 @@ class Serving:
         last = body.messages[-1]
         role = self.response_role if body.add_generation_prompt else last.role
         echo = last.text if body.echo and last.role == role else ""
+        call = body.forced_call  # a tool call the request forces: the answer's tool_calls (api/tools.py)
         if body.stream:
             return StreamingResponse(self._stream_chat(streams, rid, created, body.n, len(ids), _usage_mode(body), k,
                                                        echo, role, ids if body.return_token_ids else None,
-                                                       self._as_ids(body)),
+                                                       self._as_ids(body), call),
                                      media_type="text/event-stream")  # fmt: skip
         (out,) = await (self._beam_search([prompt], body, raw, requested) if beams else finals(streams, raw))
-        choices = [{
-            "index": o.index, "message": {"role": role, "content": echo + o.text},
-            "logprobs": logprobs.chat(o, k, self._as_ids(body)), "finish_reason": o.finish_reason,
-            "stop_reason": o.stop_reason, **({"token_ids": list(o.token_ids)} if body.return_token_ids else {}),
-        } for o in out.outputs]  # fmt: skip
+        choices = []
+        for o in out.outputs:
+            message, reason = {"role": role, "content": o.text}, o.finish_reason
+            if call is not None:
+                message, reason = tools.message(call, role, o.text, o.finish_reason)
+            if "tool_calls" not in message:
+                message["content"] = echo + message["content"]
+            choices.append({
+                "index": o.index, "message": message, "logprobs": logprobs.chat(o, k, self._as_ids(body)),
+                "finish_reason": reason, "stop_reason": o.stop_reason,
+                **({"token_ids": list(o.token_ids)} if body.return_token_ids else {}),
+            })  # fmt: skip
         completion = sum(len(o.token_ids) for o in out.outputs)
         extra = {"prompt_logprobs": logprobs.prompt(out, body.prompt_logprobs)} if body.prompt_logprobs is not None else {}
         if body.return_token_ids:
@@ -371,8 +399,9 @@ class Serving:
                              "choices": choices, "usage": self._usage([len(ids)], completion), **extra})  # fmt: skip
 
     async def _stream_chat(self, streams, rid, created, n, plen, usage_mode, k, echo="", role="assistant",
-                           prompt_ids=None, as_ids=False):  # fmt: skip
-        """prompt_ids (return_token_ids): in the first chunk; each chunk then carries its new token ids."""
+                           prompt_ids=None, as_ids=False, call=None):  # fmt: skip
+        """prompt_ids (return_token_ids): in the first chunk; each chunk then carries its new token ids.
+        call: a forced tool call (api/tools.py), streamed as tool_calls deltas."""
         def chunk(choices, **extra):
             if usage_mode == "every" and "usage" not in extra:  # the chunk's choice's usage so far (vLLM)
                 extra["usage"] = self._usage([plen], per_choice.get(choices[0]["index"], 0) if len(choices) == 1 else 0)
@@ -381,6 +410,7 @@ class Serving:
 
         completion = 0
         per_choice: dict[int, int] = {}
+        calls: dict[int, tools.StreamedCalls] = {}
         try:
             yield chunk([{"index": i, "delta": {"role": role, "content": echo}, "logprobs": None,
                           "finish_reason": None} for i in range(n)],
@@ -389,11 +419,13 @@ class Serving:
                 for o in out.outputs:
                     completion += len(o.token_ids)
                     per_choice[o.index] = per_choice.get(o.index, 0) + len(o.token_ids)
-                    if not o.text and o.finish_reason is None and o.logprobs is None and prompt_ids is None:
-                        continue  # a token that completes no character yet: nothing to send
-                    choice = {"index": o.index, "delta": {"content": o.text} if o.text else {},
-                              "logprobs": logprobs.chat(o, k, as_ids), "finish_reason": o.finish_reason,
-                              "stop_reason": o.stop_reason}  # fmt: skip
+                    delta, reason = {"content": o.text} if o.text else {}, o.finish_reason
+                    if call is not None:
+                        delta, reason = calls.setdefault(o.index, tools.StreamedCalls(call)).delta(o.text, reason)
+                    if not delta and reason is None and o.logprobs is None and prompt_ids is None:
+                        continue  # a token that completes no character (or call) yet: nothing to send
+                    choice = {"index": o.index, "delta": delta, "logprobs": logprobs.chat(o, k, as_ids),
+                              "finish_reason": reason, "stop_reason": o.stop_reason}  # fmt: skip
                     if prompt_ids is not None:
                         choice["token_ids"] = list(o.token_ids)
                     yield chunk([choice])

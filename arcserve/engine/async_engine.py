@@ -266,11 +266,9 @@ class AsyncLLM:
                 kind, arg = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                with self._lock:
+            if kind == "add":  # (one whose caller already left is added all the same: the abort its
+                with self._lock:  # stream queued behind it counts it as aborted, as the engine process does)
                     self._pending -= arg[0].params.n
-                if arg[0].request_id not in self._streams:  # its caller already left
-                    continue
             err = run_command(self.engine, kind, arg)
             if err is not None:
                 self._deliver(arg[0].request_id, err)

@@ -52,6 +52,7 @@ def _core_main(args: EngineArgs, cmd_conn, out_conn, threads: int | None, log_le
     # walk them all, tens of ms (69 ms on the CI machine) landing on some request's latency.
     gc.collect()
     gc.freeze()
+    engine.grammars.warm()  # (structured outputs: the grammar engine's tokenizer, built beside the first steps)
     # From now on the server process decides when the engine stops (graceful shutdown): a SIGTERM or
     # Ctrl-C sent to the whole process group must not kill the engine under the requests still
     # finishing. (While loading, the signals still stop this process: nothing is lost then.)

@@ -120,6 +120,11 @@ class LLMEngine(InputProcessor):
                 raise ValueError(
                     f"request_id {group.request_id!r}: its sequence id {req.request_id!r} is already in use"
                 )
+        grammar = children[0].params._grammar
+        if grammar is not None:  # each sequence follows the grammar on its own (made here: not picklable)
+            constraints = [self.grammars.matcher(grammar) for _ in children]
+            for req, c in zip(children, constraints):
+                req.grammar = c
         try:  # (the policy is researchers' code: its failure refuses the request, changing nothing)
             keys = [self.scheduler.queue_key(req) for req in children]
         except Exception as e:
@@ -265,7 +270,9 @@ class LLMEngine(InputProcessor):
     def _spec_due(self) -> list[Request]:
         """The running requests that decode next and speculate in this step (not paused)."""
         tick = self.draft_length.tick
-        return [r for r in self.scheduler.running if r.num_uncomputed == 1 and tick(r)]
+        # (not structured outputs: drafts are proposed without the grammar, and their rows' masks would
+        # need the drafts before them consumed)
+        return [r for r in self.scheduler.running if r.num_uncomputed == 1 and r.grammar is None and tick(r)]
 
     def _propose(self, due: list[Request]) -> None:
         """Drafts for the due requests (speculative.py), with every token on the host. While it
@@ -332,6 +339,8 @@ class LLMEngine(InputProcessor):
             rid = req.request_id
             spec_before = before.get(rid) if before is not None else None  # a speculating request
             if spec_before is None:
+                if req.grammar is not None:
+                    req.grammar.advance(req.token_ids[-1])
                 stop_str = self.outputs.on_token(req, req.token_ids[-1], logprobs.get(rid) if logprobs else None)
                 new = 1
             else:  # (its tokens after a stop string are dropped here: count what remains)

@@ -18,6 +18,7 @@ from arcserve.engine.chat_content import template_messages
 from arcserve.engine.output_processor import RequestGroup
 from arcserve.engine.policy import FCFSPolicy, make_policy
 from arcserve.engine.request import Request
+from arcserve.engine.structured import Grammars
 from arcserve.models.config import ModelConfig
 from arcserve.models.hf_files import load_generation_defaults, load_tokenizer
 from arcserve.sampling_params import RequestOutputKind, SamplingParams
@@ -70,6 +71,7 @@ class InputProcessor:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.grammars = Grammars(self.tokenizer, cfg.vocab_size, self.eos_token_ids)  # (its tokenizer: when first used)
         self.chat_template: str | None = None  # overrides the tokenizer's (server --chat-template)
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         check_max_model_len(self.max_model_len, cfg)
@@ -236,6 +238,8 @@ class InputProcessor:
         if params.bad_words:
             params._bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         self._validate(ids, params)
+        if params.structured_outputs is not None:
+            params._grammar = self.grammars.check(params.structured_outputs)
         if output_kind is not None:
             params.output_kind = output_kind
         max_tokens = self.max_model_len - len(ids)

@@ -57,6 +57,7 @@ class Request:
         self.seed: int | None = None  # this sequence's seed (the request's seed + its index)
         self.sampling_row = None  # the sampler's packed form of params, made at the first sampling
         self.allowed_ids = None  # the sampler's array of params.allowed_token_ids, made likewise
+        self.grammar = None  # structured outputs: this sequence's structured.Constraint (made by the engine)
         # Speculative decoding: drafts proposed for the next step (the scheduler keeps those it
         # schedules), and the draft-length state (speculative.DraftLength).
         self.spec_token_ids: list[int] = []

@@ -7,7 +7,9 @@ overlapped). No token-level Python loop, no per-request device op.
 
 Order of processing: logprobs are taken from the raw logits; then allowed_token_ids (every other
 token masked), logit_bias, min_tokens (stop tokens masked), repetition/frequency/presence penalties,
-bad_words (masked where the output ends with a bad word's other tokens); greedy rows take the argmax; the other
+bad_words (masked where the output ends with a bad word's other tokens), structured outputs (every token the
+row's grammar does not allow next masked; where the edits before left none of those, the grammar's
+tokens over the raw logits); greedy rows take the argmax; the other
 rows apply temperature, top-k, top-p and min-p and sample by inverse CDF: one uniform number per row
 located in the row's cumulative distribution (kernels' sample_from_cdf: one Triton launch on GPUs).
 The logits come in the model's dtype; float32 copies are made only where needed (logprobs, edits,
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from arcserve.engine import structured
 from arcserve.engine.request import Request
 from arcserve.kernels import reference
 from arcserve.platform import to_device
@@ -176,7 +179,9 @@ def apply_top_k_top_p_min_p(
 # Columns of the per-row float parameters, copied to the device as one array.
 _TEMP, _INV_T, _TOP_P, _MIN_P, _TOP_K, _U = range(6)
 # What a row needs beyond plain sampling, as bits of its flags.
-_LOGPROBS, _BIAS, _MIN_TOKENS, _PENALTIES, _GREEDY, _SEEDED, _ALLOWED, _BAD_WORDS, _HISTORY = (1 << i for i in range(9))
+_LOGPROBS, _BIAS, _MIN_TOKENS, _PENALTIES, _GREEDY, _SEEDED, _ALLOWED, _BAD_WORDS, _HISTORY, _GRAMMAR = (
+    1 << i for i in range(10)
+)
 
 
 def _static_row(req: Request, V: int) -> tuple[int, np.ndarray]:
@@ -192,7 +197,8 @@ def _static_row(req: Request, V: int) -> tuple[int, np.ndarray]:
         | (_MIN_TOKENS if p.min_tokens > 0 else 0) | (_PENALTIES if p.needs_penalties else 0)
         | (_GREEDY if p.greedy else 0) | (_SEEDED if req.seed is not None else 0)
         | (_ALLOWED if p.allowed_token_ids else 0) | (_BAD_WORDS if p._bad_words_token_ids else 0)
-        | (_HISTORY if p.needs_penalties or any(len(t) > 1 for t in p._bad_words_token_ids) else 0)
+        | (_GRAMMAR if p._grammar is not None else 0)
+        | (_HISTORY if p.needs_penalties or any(len(t) > 1 for t in p._bad_words_token_ids) or p._grammar else 0)
     )  # fmt: skip
     return flags, row
 
@@ -235,7 +241,9 @@ class Sampler:
         ]  # fmt: skip
         pen_rows = rows_with(_PENALTIES)
         bad_rows = rows_with(_BAD_WORDS)
-        if allowed_rows or bias_rows or mask_rows or pen_rows or bad_rows:  # edited in place: a float32 copy
+        grammar_rows = rows_with(_GRAMMAR)
+        raw = logits
+        if allowed_rows or bias_rows or mask_rows or pen_rows or bad_rows or grammar_rows:  # edited in place: a float32 copy
             logits = logits.to(torch.float32, copy=True)
         if allowed_rows:  # -inf everywhere in those rows but at their allowed ids (validated < vocab)
             arrays = [_allowed_array(reqs[i]) for i in allowed_rows]
@@ -264,6 +272,8 @@ class Sampler:
             if len(ids):
                 ids_d = to_device(np.stack([rows, ids]), dev)
                 logits[ids_d[0], ids_d[1]] = float("-inf")
+        if grammar_rows:
+            self._apply_grammars(logits, raw, [reqs[i].grammar for i in grammar_rows], grammar_rows)
 
         greedy = (flags & _GREEDY) != 0
         if greedy.all():
@@ -297,6 +307,21 @@ class Sampler:
             out.token_logprob = chosen[:, 0]
             out.token_rank = (lp > chosen).sum(dim=-1) + 1
         return out
+
+    @staticmethod
+    def _apply_grammars(logits: torch.Tensor, raw: torch.Tensor, constraints: list, rows: list[int]) -> None:
+        """Mask, in `rows` of the float32 logits, every token the row's grammar does not allow next. A row
+        the earlier edits (min_tokens, bad_words, allowed_token_ids) left with no
+        allowed token takes the grammar's tokens over its raw logits instead: the grammar wins."""
+        dev = logits.device
+        bits = structured.fill(constraints)  # (host; every constrained row in one call)
+        rows_d = to_device(np.asarray(rows, dtype=np.int64), dev)
+        bits_d = to_device(bits, dev)
+        ok = structured.allowed(bits_d, logits.shape[1])
+        masked = logits[rows_d].masked_fill(~ok, float("-inf"))
+        dead = (masked == float("-inf")).all(dim=-1, keepdim=True)
+        fallback = raw[rows_d].float().masked_fill(~ok, float("-inf"))
+        logits[rows_d] = torch.where(dead, fallback, masked)
 
     def _uniform(self, reqs: list[Request], flags: np.ndarray, offsets: np.ndarray | None = None) -> np.ndarray:
         """One uniform number per row: hashed from (seed, token index) for seeded requests, from

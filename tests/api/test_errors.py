@@ -50,20 +50,47 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "seed": "abc"}, "seed", ""),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of", "best_of"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix", "suffix"),
-    # structured output and tool calling: refused, never answered unconstrained or without the tools
-    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format", "json_object"),
-    ("/v1/completions", {"prompt": "x", "guided_choice": ["a", "b"]}, "guided_choice", "not supported"),
+    # structured outputs and tool calls that cannot be honoured: refused, never answered unconstrained
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "structural_tag"}}, "response_format", "structural_tag"),
     ("/v1/completions", {"prompt": "x", "response_format": "json"}, ANY, ""),
     ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {}}},
-     "response_format", "json_schema"),
-    ("/v1/chat/completions", {"messages": USER, "guided_json": {"type": "object"}}, "guided_json", "not supported"),
-    ("/v1/chat/completions", {"messages": USER, "structured_outputs": {"regex": "a+"}}, "structured_outputs", ""),
+     "response_format", "json_schema.schema"),
+    ("/v1/completions", {"prompt": "x", "guided_choice": []}, "guided_choice", "non-empty list"),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "[0-9"}, "guided_regex", "unclosed character class"),
+    ("/v1/chat/completions", {"messages": USER, "guided_json": "{bad"}, "guided_json", "not valid JSON"),
+    ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, "response_format", "not valid"),
+    ("/v1/completions", {"prompt": "x", "guided_grammar": "root ::= missing"}, "guided_grammar", "missing"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+     "exactly one"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "colour": 1}}, "structured_outputs",
+     "colour"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": "a+"}, "structured_outputs", ""),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "a", "response_format": {"type": "json_object"}},
+     "structured_outputs", "exactly one"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"json": {}, "whitespace_pattern": " "}},
+     "structured_outputs", "whitespace_pattern"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "n": 2, "guided_choice": ["a"]}, "guided_choice",
+     "use_beam_search"),
     ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tools", "tool calling"),
+     "tool_choice", "'auto'"),
     ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],
-                              "tool_choice": "auto"}, "tools", "tool calling"),
-    ("/v1/chat/completions", {"messages": USER, "tool_choice": "required"}, "tool_choice", "required"),
-    ("/v1/chat/completions", {"messages": USER, "functions": [{"name": "f"}]}, "functions", "tool calling"),
+                              "tool_choice": "auto"}, "tool_choice", "'auto'"),
+    ("/v1/chat/completions", {"messages": USER, "tool_choice": "required"}, "tool_choice", "needs tools"),
+    ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "'g'"),
+    ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": ""}}],
+                              "tool_choice": "required"}, "tools", "name"),
+    ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "code_interpreter"}], "tool_choice": "required"},
+     "tools", "tools[0]"),
+    ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": "required", "guided_regex": "a"}, "tool_choice", "guided_regex"),
+    ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": "required", "structured_outputs": {"regex": "a"}}, "tool_choice",
+     "structured_outputs.regex"),
+    ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": "maybe"}, "tool_choice", "must be"),
+    ("/v1/chat/completions", {"messages": USER, "functions": [{"name": "f"}]}, "functions", "legacy"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True, "n": 11}, "n", "at most 10"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True, "stream": True}, "stream", "stream"),
     ("/v1/chat/completions", {"messages": USER, "use_beam_search": True, "stream": True}, "stream", "stream"),
@@ -204,15 +231,16 @@ def test_unknown_fields_are_ignored(client):
 
 
 def test_unsupported_features_refused_with_their_code(client):
-    """Structured output and tool calls get code "unsupported" (the OpenAI client raises), while the
-    values that ask for nothing are served: response_format text, no tools, tool_choice none/auto."""
+    """response_format types and tool choices arcserve cannot honour get code "unsupported" (the
+    OpenAI client raises), while the values that ask for nothing are served: response_format text,
+    no tools, tool_choice none/auto."""
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=USER, response_format={"type": "json_object"})
+        client.chat.completions.create(model=MODEL, messages=USER, response_format={"type": "structural_tag"})
     assert e.value.param == "response_format" and e.value.code == "unsupported"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=USER, stream=True,
                                        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])  # fmt: skip
-    assert e.value.param == "tools" and e.value.code == "unsupported"
+    assert e.value.param == "tool_choice" and e.value.code == "unsupported"
     for extra in ({"response_format": {"type": "text"}}, {"tools": [], "tool_choice": "none"}, {"tool_choice": "auto"}):
         r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, temperature=0, **extra)
         assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens <= 2

@@ -87,10 +87,11 @@ SEMANTICS = {
     "min_tokens": {"type": "integer", "minimum": 0, "maximum": 1},
     "best_of": {"type": "null"},
     "suffix": {"type": "null"},
-    # refused whatever their value (structured output, tool calls): null lets valid cases through
+    # structured outputs and tool calls (tests of their own) and fields refused whatever their value:
+    # null lets valid cases through
     **dict.fromkeys(["response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "structured_outputs", "tools", "functions", "tool_choice", "function_call",
-                     "logits_processors"], {"type": "null"}),
+                     "guided_whitespace_pattern", "structured_outputs", "tools", "functions", "tool_choice",
+                     "function_call", "parallel_tool_calls", "logits_processors"], {"type": "null"}),
     "bad_words": {"type": "array", "items": _TEXT, "maxItems": 4},
     "truncate_prompt_tokens": {"anyOf": [{"type": "integer", "minimum": 1}, {"const": -1}]},
     "use_beam_search": {"const": False},

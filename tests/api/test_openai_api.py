@@ -338,7 +338,7 @@ TOOL_TEMPLATE = (
 def test_chat_history_with_tools_and_reasoning_renders_as_vllm(llama_dir):
     """An assistant's tool calls reach the template with their JSON arguments as a mapping (not JSON
     text; text that is no JSON object: {}), and its reasoning (reasoning_content) too; tools are
-    rendered when tool_choice is "none" (else refused: no tool-call parser); /tokenize takes
+    rendered when tool_choice is "none" ("auto" refused: no tool-call parser); /tokenize takes
     chat_template_kwargs and tools as a chat request does; text-like parts (refusal, input_text)
     are text; an image part is a clear 400."""
     calls = [{"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"city": "Paris"}'}},
@@ -355,8 +355,8 @@ def test_chat_history_with_tools_and_reasoning_renders_as_vllm(llama_dir):
         assert s.post("/detokenize", json={"tokens": ids}).json()["prompt"] == want
         chat = s.post("/v1/chat/completions", json={**body, "tool_choice": "none", "max_tokens": 1})
         assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] >= len(ids)
-        refused = s.post("/v1/chat/completions", json={**body, "max_tokens": 1})
-        assert refused.status_code == 400 and "tool_choice 'none'" in refused.json()["error"]["message"]
+        refused = s.post("/v1/chat/completions", json={**body, "max_tokens": 1})  # tool_choice "auto"
+        assert refused.status_code == 400 and "or 'none'" in refused.json()["error"]["message"]
         image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
         r = s.post("/v1/chat/completions", json={"model": MODEL, "messages": image, "max_tokens": 1})
         assert r.status_code == 400 and "takes no images or audio" in r.json()["error"]["message"]

@@ -1,0 +1,79 @@
+"""The cost of structured outputs: the same requests with and without a constraint.
+
+    python benchmarks/structured_bench.py [--shape qwen3-0.6b | --model DIR] [--requests 64]
+                                          [--prompt-len 256] [--max-tokens 256] [--dtype bfloat16]
+
+Runs generate() over `requests` prompts of random token ids (ignore_eos, temperature 0.8, the same
+seeds), unconstrained and then under each constraint below, each twice after a warm-up, and prints
+the output tokens per second and the ratio to the unconstrained run. The constraints keep the
+grammar engine busy for the whole answer (a JSON string the model may write without end; a regex
+of words): every step computes each row's allowed tokens on the host and waits for the previous
+step's tokens first (no overlap for those rows). --shape builds a random-weight model of a real
+shape (GPUs); --model takes a model folder (e.g. the demo model on the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from model_shapes import make_shape_dirs  # noqa: E402
+
+from arcserve import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+
+CONSTRAINTS = {
+    "json string": StructuredOutputsParams(json={"type": "object", "properties": {"text": {"type": "string"}},
+                                                 "required": ["text"]}),  # fmt: skip
+    "regex words": StructuredOutputsParams(regex=r"([a-z]+ )*[a-z]+\."),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-0.6b")
+    ap.add_argument("--model", default=None, help="a model folder instead of a random-weight shape")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--dtype", default="bfloat16")
+    a = ap.parse_args()
+    if a.model:
+        return bench(a, Path(a.model), "auto")
+    with tempfile.TemporaryDirectory() as tmp:
+        bench(a, make_shape_dirs(Path(tmp))[a.shape], "dummy")
+
+
+def bench(a, model: Path, load_format: str) -> None:
+    llm = LLM(model=str(model), dtype=a.dtype, load_format=load_format, max_model_len=a.prompt_len + a.max_tokens + 8)
+    vocab = min(llm.llm_engine.model_config.vocab_size, len(llm.get_tokenizer()))
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(10, vocab, a.prompt_len).tolist()} for _ in range(a.requests)]
+
+    def run(so) -> tuple[float, int]:
+        params = [SamplingParams(temperature=0.8, seed=i, max_tokens=a.max_tokens, ignore_eos=True,
+                                 structured_outputs=so) for i in range(a.requests)]  # fmt: skip
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - t, sum(len(o.outputs[0].token_ids) for o in outs)
+
+    run(None)  # warm-up (and the grammar engine's view of the tokenizer, built at the first constraint)
+    run(CONSTRAINTS["regex words"])
+    rows = []
+    for name, so in [("unconstrained", None), *CONSTRAINTS.items()]:
+        for _ in range(2):
+            s, n = run(so)
+            rows.append((name, s, n / s))
+    base = np.median([r[2] for r in rows if r[0] == "unconstrained"])
+    print(f"{model.name}, {a.requests} requests x {a.prompt_len} prompt + {a.max_tokens} output tokens, {a.dtype}")
+    for name, s, tps in rows:
+        print(f"  {name:14s} {s:7.3f} s  {tps:9.1f} out tok/s  {tps / base:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
