@@ -4,12 +4,13 @@
                                           [--prompt-len 256] [--max-tokens 256] [--dtype bfloat16]
 
 Runs generate() over `requests` prompts of random token ids (ignore_eos, temperature 0.8, the same
-seeds), unconstrained and then under each constraint below, each twice after a warm-up, and prints
-the output tokens per second and the ratio to the unconstrained run. The constraints keep the
-grammar engine busy for the whole answer (a JSON string the model may write without end; a regex
-of words): every step computes each row's allowed tokens on the host and waits for the previous
-step's tokens first (no overlap for those rows). --shape builds a random-weight model of a real
-shape (GPUs); --model takes a model folder (e.g. the demo model on the CPU).
+seeds), unconstrained, under each constraint below, and with penalties (no constraint: the other
+kind of row that samples from its output so far), each twice after a warm-up, and prints the
+output tokens per second and the ratio to the unconstrained run. The constraints keep the grammar
+engine busy for the whole answer (a JSON string the model may write without end; a regex of
+words): every step computes each row's allowed tokens on the host once the previous step's tokens
+are read. --shape builds a random-weight model of a real shape (GPUs); --model takes a model
+folder (e.g. the demo model on the CPU).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--profile", default=None, choices=[*CONSTRAINTS, "penalties", "unconstrained"],
+                    help="instead: one run of that kind under torch.profiler; its top host and device ops")
     a = ap.parse_args()
     if a.model:
         return bench(a, Path(a.model), "auto")
@@ -56,16 +59,28 @@ def bench(a, model: Path, load_format: str) -> None:
     prompts = [{"prompt_token_ids": rng.integers(10, vocab, a.prompt_len).tolist()} for _ in range(a.requests)]
 
     def run(so) -> tuple[float, int]:
-        params = [SamplingParams(temperature=0.8, seed=i, max_tokens=a.max_tokens, ignore_eos=True,
-                                 structured_outputs=so) for i in range(a.requests)]  # fmt: skip
+        extra = {"presence_penalty": 0.5, "repetition_penalty": 1.1} if so == "penalties" else {"structured_outputs": so}
+        params = [SamplingParams(temperature=0.8, seed=i, max_tokens=a.max_tokens, ignore_eos=True, **extra)
+                  for i in range(a.requests)]  # fmt: skip
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - t, sum(len(o.outputs[0].token_ids) for o in outs)
 
     run(None)  # warm-up (and the grammar engine's view of the tokenizer, built at the first constraint)
     run(CONSTRAINTS["regex words"])
+    if a.profile:
+        import torch
+
+        kind = {"penalties": "penalties", "unconstrained": None}.get(a.profile, CONSTRAINTS.get(a.profile))
+        run(kind)
+        with torch.profiler.profile() as prof:
+            s, n = run(kind)
+        print(f"{a.profile}: {s:.3f} s, {n / s:.1f} out tok/s under the profiler")
+        for key in ("self_cpu_time_total", "self_device_time_total"):
+            print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
+        return
     rows = []
-    for name, so in [("unconstrained", None), *CONSTRAINTS.items()]:
+    for name, so in [("unconstrained", None), *CONSTRAINTS.items(), ("penalties", "penalties")]:
         for _ in range(2):
             s, n = run(so)
             rows.append((name, s, n / s))

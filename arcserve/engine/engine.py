@@ -238,7 +238,9 @@ class LLMEngine(InputProcessor):
         Overlapped (async_scheduling): schedule and launch step N+1, then read step N's tokens
         (which the device finished while the host scheduled) and emit its outputs; step N+1 takes
         step N's tokens on the device. Stops are applied one step late: a request that stopped at
-        step N computed one surplus token in step N+1, which is dropped."""
+        step N computed one surplus token in step N+1, which is dropped. A step with a row that
+        samples from its output so far (penalties, bad words of several tokens, structured outputs)
+        is launched up to its LM head and samples once step N's tokens are read."""
         due = self._spec_due() if self.proposer is not None else None
         if not self.async_scheduling:
             if due:
@@ -251,20 +253,23 @@ class LLMEngine(InputProcessor):
             return self._finish(handle)
         prev, self._in_flight = self._in_flight, None
         outs: list[RequestOutput] = []
-        # Read the previous step first when penalties need every earlier token on the host, when it
-        # verified drafts (how many were accepted decides the next positions), or when requests
-        # speculate now (proposals start from the tokens on the host).
-        if prev is not None and (prev.needs_history or prev.row_counts is not None or due):
+        # Read the previous step first when it verified drafts (how many were accepted decides the
+        # next positions), or when requests speculate now (proposals start from the tokens on the host).
+        if prev is not None and (prev.row_counts is not None or due):
             outs, prev = self._finish(prev), None
             self._salvage = outs  # built and taken out of the engine: delivered even if the rest fails
         if due:
             self._propose(due)
         sched = self._schedule()
+        handle = None
         if not sched.is_empty:
-            self._in_flight = self.runner.launch(sched)
+            handle = self._in_flight = self.runner.launch(sched, defer_history=prev is not None)
             self.scheduler.on_launched(sched)
         if prev is not None:
             outs = self._finish(prev)
+            self._salvage = outs
+        if handle is not None and handle.pending is not None:  # its rows sample from what prev's tokens made
+            self.runner.sample(handle)
         return outs
 
     def _spec_due(self) -> list[Request]:

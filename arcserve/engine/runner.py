@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from arcserve.config import KV_CACHE_DTYPES
-from arcserve.engine.sampler import Sampler
+from arcserve.engine.sampler import Sampler, num_sampled
 from arcserve.engine.scheduler import SchedulerOutput
 from arcserve.engine.step_graphs import StepGraphs, decode_sizes, feed_tokens
 from arcserve.kernels.reference import AttentionMetadata
@@ -66,8 +66,9 @@ class StepHandle:
     logprob_rows: list[int] | None = None
     logprob_parts: tuple = ()  # token logprob, rank, top-k ids, top-k logprobs (or None)
     event: object = None
-    # A request sampled with penalties: the next step needs its tokens on the host first.
-    needs_history: bool = False
+    # Sampling not issued yet (launch(defer_history=True)): the logits, the rows' draft offsets and
+    # their requests' tokens sampled before the step (at launch); ModelRunner.sample issues it.
+    pending: tuple | None = None
     # Speculative decoding: rows per sampling request (reqs then repeats each request that often).
     row_counts: list[int] | None = None
 
@@ -327,9 +328,13 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> StepHandle:
+    def launch(self, out: SchedulerOutput, defer_history: bool = False) -> StepHandle:
         """Issue the step's work (forward, sampling, copies of the results to the host) without
-        waiting for the device (except for prompt logprobs, which are read at once)."""
+        waiting for the device (except for prompt logprobs, which are read at once). defer_history:
+        when a sampling row reads its output so far on the host (penalties, bad words of several
+        tokens, structured outputs) while the previous step's tokens are still on the device, stop
+        after the LM head; sample(handle), once they are read, issues the rest (the forward runs
+        on the device meanwhile)."""
         h = self._host_inputs(out)
         T = int(h["qsl"][-1])
         key = self.graphs.pick(h["q_lens"]) if self.graphs is not None else None
@@ -357,11 +362,21 @@ class ModelRunner:
                 reqs = [r for r, c in zip(reqs, counts.tolist()) for _ in range(c)]
                 handle.row_counts = counts.tolist()
             logits = self._logits(hidden, last, len(last))
-        so = self.sampler(logits, reqs, offsets)
-        self._last_tokens = so.tokens
+        handle.reqs, handle.pending = reqs, (logits, offsets, None)
+        if not (defer_history and self.sampler.needs_history(reqs, logits.shape[1])):
+            self.sample(handle)
+        else:  # (the positions as they stand now, before the step's own tokens count as pending)
+            handle.pending = (logits, offsets, [num_sampled(r) for r in reqs])
+        return handle
+
+    @torch.inference_mode()
+    def sample(self, handle: StepHandle) -> None:
+        """Issue a launched step's sampling and the copies of its results (launch's, or later)."""
+        (logits, offsets, sampled), reqs = handle.pending, handle.reqs
+        handle.pending = None
+        so = self.sampler(logits, reqs, offsets, sampled)
+        self._last_tokens = so.tokens  # (the next step's input takes them on the device)
         self._last_rows = {r.request_id: i for i, r in enumerate(reqs)}
-        handle.reqs = reqs
-        handle.needs_history = so.needs_history
         handle.tokens = to_host_async(so.tokens)
         if so.logprob_rows:
             handle.logprob_rows = so.logprob_rows
@@ -370,7 +385,6 @@ class ModelRunner:
                 for x in (so.token_logprob, so.token_rank, so.topk_ids, so.topk_logprobs)
             )
         handle.event = new_event(self.device)
-        return handle
 
     def lm_head_rows(self, n: int) -> int:
         """Rows the LM head runs over for n sampled rows: on accelerators the next decode-graph

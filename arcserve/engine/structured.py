@@ -174,25 +174,26 @@ class Constraint:
 _executor = None
 
 
-def fill(constraints: list[Constraint]) -> np.ndarray:
-    """[rows, words] int32: bit t % 32 of word t // 32 of row i is set where constraints[i] allows
-    token t next (llguidance's threads compute the rows side by side)."""
+def fill(constraints: list[Constraint], bits: np.ndarray) -> None:
+    """bits [rows, words] int32 (C-contiguous): bit t % 32 of word t // 32 of row i is set where
+    constraints[i] allows token t next (llguidance's threads compute the rows side by side)."""
     global _executor
     words = constraints[0].words
-    bits = np.empty((len(constraints), words), dtype=np.int32)
+    assert bits.shape == (len(constraints), words) and bits.dtype == np.int32 and bits.flags.c_contiguous
     if len(constraints) == 1:
         constraints[0].matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
-        return bits
+        return
     if _executor is None:
         import llguidance
 
         _executor = llguidance.LLExecutor()
     _executor.unsafe_compute_mask_ptr([(c.matcher, i) for i, c in enumerate(constraints)], bits.ctypes.data,
                                       words * 4, len(constraints))  # fmt: skip
-    return bits
 
 
-def allowed(bits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[rows, vocab] bool from fill's words (on any device)."""
-    shifts = torch.arange(32, device=bits.device, dtype=torch.int32)
-    return ((bits[:, :, None] >> shifts) & 1).bool().view(bits.shape[0], -1)[:, :vocab]
+def banned(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] bool, True where fill's words do not allow the token (on any device; read a byte
+    at a time: token t is bit t % 8 of byte t // 8 of the little-endian words)."""
+    shifts = torch.arange(8, device=bits.device, dtype=torch.uint8)
+    by = bits.view(torch.uint8)
+    return ((by[:, :, None] >> shifts) & 1).view(by.shape[0], -1)[:, :vocab] == 0

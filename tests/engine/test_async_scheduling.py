@@ -93,23 +93,29 @@ def workload(llama_dir):
 
 
 def trace(engine: LLMEngine) -> list[tuple[str, int]]:
-    """Log ("launch", k, penalized) and ("read", k) events of the engine's steps."""
+    """Log ("launch", k, penalized), ("sample", k) (a sampling issued after its launch) and
+    ("read", k) events of the engine's steps."""
     events: list[tuple[str, int]] = []
-    launch, finish = engine.runner.launch, engine._finish
+    launch, finish, sample = engine.runner.launch, engine._finish, engine.runner.sample
     counter = iter(range(10**6))
 
-    def traced_launch(out):
-        handle = launch(out)
+    def traced_launch(out, **kw):
+        handle = launch(out, **kw)
         handle.step_no = next(counter)
         handle.penalized = any(s.sample and s.request.params.needs_penalties for s in out.seqs)
         events.append(("launch", handle.step_no, handle.penalized))
         return handle
 
+    def traced_sample(handle):
+        if hasattr(handle, "step_no"):  # (a sampling issued by launch itself comes before its number)
+            events.append(("sample", handle.step_no))
+        return sample(handle)
+
     def traced_finish(handle):
         events.append(("read", handle.step_no))
         return finish(handle)
 
-    engine.runner.launch, engine._finish = traced_launch, traced_finish
+    engine.runner.launch, engine.runner.sample, engine._finish = traced_launch, traced_sample, traced_finish
     return events
 
 
@@ -138,19 +144,21 @@ def test_overlapped_steps_give_the_synchronous_outputs(llama_dir, workload):
     assert sync["shared2"][2]  # a prefix-cache hit
 
     # Synchronous: every step is read before the next is launched. Overlapped: step k+1 launches
-    # before step k is read, unless step k sampled for a penalized request (penalties need the
-    # whole history on the host): then step k is read first.
+    # before step k is read; a step that samples for a penalized request (penalties need the whole
+    # history on the host) issues its sampling only after step k is read, the others at launch.
     def order(ev):
         at = {(e[0], e[1]): i for i, e in enumerate(ev)}
         penalized = {e[1] for e in ev if e[0] == "launch" and e[2]}
         n = sum(1 for e in ev if e[0] == "launch")
         early = [k for k in range(n - 1) if at[("launch", k + 1)] < at[("read", k)]]
-        return n, early, penalized
+        late = {e[1] for e in ev if e[0] == "sample"}
+        assert all(at[("read", k - 1)] < at[("sample", k)] < at[("read", k)] for k in late)
+        return n, early, penalized, late
 
-    n, early, _ = order(events[False])
-    assert early == [] and n > 20
-    n, early, penalized = order(events[True])
-    assert penalized and set(early) == set(range(n - 1)) - penalized
+    n, early, _, late = order(events[False])
+    assert early == [] and n > 20 and not late
+    n, early, penalized, late = order(events[True])
+    assert penalized and early == list(range(n - 1)) and late == penalized - {0}
 
 
 def test_overlapped_seeded_sampling_matches_alone(llama_dir):
