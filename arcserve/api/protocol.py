@@ -73,9 +73,10 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # StructuredOutputsParams' constraints
 # vLLM's older guided_* fields and the StructuredOutputsParams field each sets
 _GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-           ("guided_grammar", "grammar"), ("guided_whitespace_pattern", "whitespace_pattern"))  # fmt: skip
+           ("guided_grammar", "grammar"))  # fmt: skip
 
 
 class _Sampling(BaseModel):
@@ -148,6 +149,9 @@ class _Sampling(BaseModel):
             got = self._beam_search_unsupported()
             if got is not None:
                 return got
+        if self.guided_whitespace_pattern is not None:
+            return "guided_whitespace_pattern", ("guided_whitespace_pattern is not supported (arcserve's grammar engine "
+                                                 "allows JSON's own whitespace, or none with disable_any_whitespace)")  # fmt: skip
         rf = self.response_format
         if rf is not None and rf.type not in ("text", "json_object", "json_schema"):
             return "response_format", (
@@ -156,21 +160,25 @@ class _Sampling(BaseModel):
         return None
 
     def structured(self) -> tuple[str, StructuredOutputsParams] | None:
-        """(the field that asked, the constraint) of response_format, structured_outputs and the guided_*
-        fields, or None. As in vLLM, response_format's constraint replaces structured_outputs' (its other
-        options stay); more than one constraint in all is a FieldError, as is a malformed one."""
-        asked, fields = self._constraint_fields()
-        if not asked:
+        """(the field that set the constraint, the constraint) of response_format, structured_outputs and
+        the guided_* fields, or None. As in vLLM, response_format's constraint takes the place of one
+        of the same kind in structured_outputs (whose options stay); two constraints in all are a
+        FieldError (naming the first field that set one), as is a malformed one."""
+        setters, others, fields = self._constraint_fields()
+        if not setters and not others:
             return None
-        return self._constraint(asked[0] if len(asked) == 1 else "structured_outputs", fields)
+        return self._constraint((setters or others)[0], fields)
 
-    def _constraint_fields(self) -> tuple[list[str], dict[str, Any]]:
-        """(the fields that ask for a constraint, StructuredOutputsParams' fields from all of them)."""
+    def _constraint_fields(self) -> tuple[list[str], list[str], dict[str, Any]]:
+        """(the fields that set a constraint, those that set only options, StructuredOutputsParams'
+        fields from all of them)."""
         fields = dict(self.structured_outputs or {})
-        asked = ["structured_outputs"] if self.structured_outputs is not None else []
+        setters, others = [], []
+        if self.structured_outputs is not None:
+            (setters if any(fields.get(k) is not None for k in _KINDS) else others).append("structured_outputs")
         rf = self.response_format
         if rf is not None and rf.type in ("json_object", "json_schema"):
-            asked.append("response_format")
+            setters.append("response_format")
             if rf.type == "json_object":
                 fields["json_object"] = True
             elif rf.json_schema is None or rf.json_schema.json_schema is None:
@@ -180,9 +188,9 @@ class _Sampling(BaseModel):
                 fields["json"] = rf.json_schema.json_schema
         for name, key in _GUIDED:
             if getattr(self, name) is not None:
-                asked.append(name)
+                setters.append(name)
                 fields[key] = getattr(self, name)
-        return asked, fields
+        return setters, others, fields
 
     def _constraint(self, field: str, fields: dict[str, Any]) -> tuple[str, StructuredOutputsParams]:
         if self.use_beam_search:
@@ -463,11 +471,11 @@ class ChatCompletionRequest(_Sampling):
         choice = self.forced_call
         if choice is None:
             return super().structured()
-        asked, fields = self._constraint_fields()
-        other = [k for k in ("json", "regex", "choice", "grammar", "json_object") if fields.get(k) is not None]
-        if other:
-            named = [a for a in asked if a != "structured_outputs"] or [f"structured_outputs.{other[0]}"]
-            raise FieldError("tool_choice", f"tool_choice {self.tool_choice!r} cannot be combined with {named[0]}: "
+        setters, _, fields = self._constraint_fields()
+        if setters:
+            kind = next(k for k in _KINDS if fields.get(k) is not None)
+            named = setters[0] if setters[0] != "structured_outputs" else f"structured_outputs.{kind}"
+            raise FieldError("tool_choice", f"tool_choice {self.tool_choice!r} cannot be combined with {named}: "
                              "a forced tool call is itself a structured output")  # fmt: skip
         fields["json"] = tools.schema(choice, self.tools, self.parallel_tool_calls)
         return self._constraint("tool_choice", fields)

@@ -373,6 +373,7 @@ class Serving:
         role = self.response_role if body.add_generation_prompt else last.role
         echo = last.text if body.echo and last.role == role else ""
         call = body.forced_call  # a tool call the request forces: the answer's tool_calls (api/tools.py)
+        echo = echo if call is None else ""  # (a forced call's answer is the call, whatever the last message)
         if body.stream:
             return StreamingResponse(self._stream_chat(streams, rid, created, body.n, len(ids), _usage_mode(body), k,
                                                        echo, role, ids if body.return_token_ids else None,
@@ -384,7 +385,7 @@ class Serving:
             message, reason = {"role": role, "content": o.text}, o.finish_reason
             if call is not None:
                 message, reason = tools.message(call, role, o.text, o.finish_reason)
-            if "tool_calls" not in message:
+            else:
                 message["content"] = echo + message["content"]
             choices.append({
                 "index": o.index, "message": message, "logprobs": logprobs.chat(o, k, self._as_ids(body)),

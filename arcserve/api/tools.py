@@ -27,7 +27,7 @@ def _functions(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
             raise FieldError("tools", f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
-                                     "'parameters': {...}}}}}")  # fmt: skip
+                                     "'parameters': {...}}}")  # fmt: skip
         name, params = fn.get("name"), fn.get("parameters")
         if not isinstance(name, str) or not name:
             raise FieldError("tools", f"tools[{i}].function.name must be a non-empty string")
@@ -69,7 +69,10 @@ def schema(choice: str, tools: list[dict[str, Any]], parallel: bool | None) -> d
     calls = []
     for name, params in fns.items():
         params = dict(params)
-        for k, v in (params.pop("$defs", None) or {}).items():  # one $defs for all (refs point at the root)
+        defs_of = params.pop("$defs", None) or {}
+        if not isinstance(defs_of, dict):
+            raise FieldError("tools", f"the parameters of tool {name!r} have a $defs that is not an object")
+        for k, v in defs_of.items():  # one $defs for all (refs point at the root)
             if k in defs and defs[k] != v:
                 raise FieldError("tools", f"tools define {k!r} in $defs differently; give each definition one name")
             defs[k] = v

@@ -122,8 +122,7 @@ class LLMEngine(InputProcessor):
                 )
         grammar = children[0].params._grammar
         if grammar is not None:  # each sequence follows the grammar on its own (made here: not picklable)
-            constraints = [self.grammars.matcher(grammar) for _ in children]
-            for req, c in zip(children, constraints):
+            for req, c in zip(children, self.grammars.matchers(grammar, len(children))):
                 req.grammar = c
         try:  # (the policy is researchers' code: its failure refuses the request, changing nothing)
             keys = [self.scheduler.queue_key(req) for req in children]
@@ -345,7 +344,10 @@ class LLMEngine(InputProcessor):
             spec_before = before.get(rid) if before is not None else None  # a speculating request
             if spec_before is None:
                 if req.grammar is not None:
-                    req.grammar.advance(req.token_ids[-1])
+                    err = req.grammar.advance(req.token_ids[-1])
+                    if err is not None:  # (the sequence ends with EOS next: say why, once)
+                        logger.warning("request %s: the grammar engine stopped its structured output: %s",
+                                       rid, err.strip().splitlines()[0] if err.strip() else err)  # fmt: skip
                 stop_str = self.outputs.on_token(req, req.token_ids[-1], logprobs.get(rid) if logprobs else None)
                 new = 1
             else:  # (its tokens after a stop string are dropped here: count what remains)

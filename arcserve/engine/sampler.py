@@ -103,7 +103,8 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request], rows: list[int], 
     """In place, for `rows`: repetition penalty over prompt and output tokens (divide positive
     logits, multiply negative ones); frequency and presence penalties over output tokens (with the
     first offsets[i] drafts of a speculating row counted as output).
-    Needs each request's whole history on the host (the engine drains overlapped steps first)."""
+    Needs each request's whole history on the host (with overlapped steps the sampling waits for
+    the previous step's tokens: ModelRunner.sample)."""
     V = logits.shape[1]
     dev = logits.device
     sub_rows = list(range(len(rows)))

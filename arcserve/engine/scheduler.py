@@ -267,7 +267,8 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         p = req.params
-        if req.num_output_tokens >= p.min_tokens:
+        # (an output its grammar lets end only with EOS ends there, min_tokens or not: structured outputs)
+        if req.num_output_tokens >= p.min_tokens or (req.grammar is not None and req.grammar.only_eos):
             if token in p._eos_token_ids and not p.ignore_eos:
                 if token != p._eos_token_id:  # generation_config's other EOS ids: stop tokens to vLLM
                     req.stop_reason = token

@@ -8,8 +8,9 @@ they are made where the engine runs). At every step the sampler asks the matcher
 rows for the tokens that can continue a valid output (one bit per token, computed on the host by
 llguidance's threads for all rows at once), uploads the bits with the step's other arrays and masks
 every other token; the engine feeds each sampled token back to its sequence's matcher. Constrained
-rows need the previous step's token on the host first, as penalties do (the sampler's _HISTORY), so
-with overlapped steps a step holding one waits for the step before it.
+rows need the previous step's token on the host first, as penalties do (the sampler's _HISTORY): with
+overlapped steps such a step is launched up to its LM head, the step before it is read, and then
+its sampling is issued (ModelRunner.sample).
 
 Once the output is complete (the grammar can end there) the end-of-sequence ids are allowed; once
 it cannot go on, only they are. The model's EOS ids (all of them) are the grammar engine's.
@@ -146,14 +147,16 @@ class Grammars:
                 self._checked.popitem(last=False)
         return grammar
 
-    def matcher(self, grammar: str) -> Constraint:
-        """A fresh matcher of a checked grammar (one per sequence)."""
+    def matchers(self, grammar: str, n: int) -> list[Constraint]:
+        """Fresh matchers of a checked grammar, one per sequence: built once (its parser, ~10-20 ms
+        for a schema of a dozen fields) and copied for the others."""
         import llguidance
 
         m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():
             raise ValueError(f"structured_outputs: {m.get_error()}")
-        return Constraint(m, (self.tokenizer.vocab_size + 31) // 32)
+        words = (self.tokenizer.vocab_size + 31) // 32
+        return [Constraint(m if i == 0 else m.deep_copy(), words) for i in range(n)]
 
 
 class Constraint:
@@ -164,11 +167,19 @@ class Constraint:
     def __init__(self, matcher, words: int) -> None:
         self.matcher, self.words = matcher, words
 
-    def advance(self, token: int) -> None:
+    @property
+    def only_eos(self) -> bool:
+        """The output cannot go on: complete with nowhere further to go (or the grammar engine failed)."""
+        return self.matcher.is_stopped() or self.matcher.is_error()
+
+    def advance(self, token: int) -> str | None:
         """Feed a sampled token (always one the mask allowed) to the matcher; after the grammar's end
-        only EOS is allowed, which ends the sequence (or, under ignore_eos, repeats)."""
-        if not self.matcher.is_stopped():
-            self.matcher.consume_token(token)
+        only EOS is allowed, which ends the sequence (under ignore_eos it repeats). Returns the
+        grammar engine's error when this token put the matcher in its error state (a limit of its
+        own reached: from then on EOS alone is allowed)."""
+        if self.matcher.is_stopped() or self.matcher.is_error():
+            return None
+        return None if self.matcher.consume_token(token) else (self.matcher.get_error() or "unknown error")
 
 
 _executor = None
