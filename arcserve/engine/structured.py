@@ -80,8 +80,8 @@ def grammar_text(so: StructuredOutputsParams) -> str:
 
 
 class Grammars:
-    """The grammar engine's view of one tokenizer (built at the first structured request: ~1 s for a
-    150k-token vocabulary) and the matchers made over it."""
+    """The grammar engine's view of one tokenizer (built at the first structured request, or by warm():
+    0.73 s for SmolLM2's 49k-token vocabulary on the 2-core CI VM) and the matchers made over it."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids) -> None:
         self._hf = tokenizer
