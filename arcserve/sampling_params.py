@@ -20,6 +20,9 @@ def valid_truncation(k) -> bool:
     return k is None or (isinstance(k, int) and not isinstance(k, bool) and (k >= 1 or k == -1))
 
 
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # StructuredOutputsParams' constraints
+
+
 @dataclass
 class StructuredOutputsParams:
     """A constraint on what a request may generate (vLLM's class and fields; exactly one of json,
@@ -48,7 +51,7 @@ class StructuredOutputsParams:
         if self.structural_tag is not None:
             raise ValueError("structured_outputs.structural_tag is not supported; use json, regex, choice, grammar "
                              "or json_object")  # fmt: skip
-        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) is not None]
+        kinds = [k for k in CONSTRAINT_KINDS if getattr(self, k) is not None]
         if len(kinds) != 1:
             raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar and "
                              f"json_object; got {kinds or 'none'}")  # fmt: skip
@@ -74,7 +77,7 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         """Which constraint is set: json, regex, choice, grammar or json_object."""
-        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) is not None)
+        return next(k for k in CONSTRAINT_KINDS if getattr(self, k) is not None)
 
 
 class RequestOutputKind(enum.Enum):

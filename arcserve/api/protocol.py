@@ -17,7 +17,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
 from arcserve.api import tools
-from arcserve.api.errors import FieldError
 from arcserve.engine.chat_content import join_texts, text_of_part
 from arcserve.sampling_params import (
     TRUNCATION_RANGE,
@@ -73,10 +72,6 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # StructuredOutputsParams' constraints
-# vLLM's older guided_* fields and the StructuredOutputsParams field each sets
-_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-           ("guided_grammar", "grammar"))  # fmt: skip
 
 
 class _Sampling(BaseModel):
@@ -109,7 +104,7 @@ class _Sampling(BaseModel):
     priority: int = 0
     return_token_ids: bool = False  # vLLM's: the prompt's and the answer's token ids in the response
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
-    # fields (structured(); engine/structured.py). guided_decoding_backend is ignored (one backend).
+    # fields (api/constraints.py; engine/structured.py). guided_decoding_backend is ignored (one backend).
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -158,49 +153,6 @@ class _Sampling(BaseModel):
                 f"response_format {{'type': {rf.type!r}}} is not supported; use 'text', 'json_object' or 'json_schema'"
             )
         return None
-
-    def structured(self) -> tuple[str, StructuredOutputsParams] | None:
-        """(the field that set the constraint, the constraint) of response_format, structured_outputs and
-        the guided_* fields, or None. As in vLLM, response_format's constraint takes the place of one
-        of the same kind in structured_outputs (whose options stay); two constraints in all are a
-        FieldError (naming the first field that set one), as is a malformed one."""
-        setters, others, fields = self._constraint_fields()
-        if not setters and not others:
-            return None
-        return self._constraint((setters or others)[0], fields)
-
-    def _constraint_fields(self) -> tuple[list[str], list[str], dict[str, Any]]:
-        """(the fields that set a constraint, those that set only options, StructuredOutputsParams'
-        fields from all of them)."""
-        fields = dict(self.structured_outputs or {})
-        setters, others = [], []
-        if self.structured_outputs is not None:
-            (setters if any(fields.get(k) is not None for k in _KINDS) else others).append("structured_outputs")
-        rf = self.response_format
-        if rf is not None and rf.type in ("json_object", "json_schema"):
-            setters.append("response_format")
-            if rf.type == "json_object":
-                fields["json_object"] = True
-            elif rf.json_schema is None or rf.json_schema.json_schema is None:
-                raise FieldError("response_format", "response_format of type 'json_schema' needs json_schema.schema "
-                                 "(the JSON schema)")  # fmt: skip
-            else:
-                fields["json"] = rf.json_schema.json_schema
-        for name, key in _GUIDED:
-            if getattr(self, name) is not None:
-                setters.append(name)
-                fields[key] = getattr(self, name)
-        return setters, others, fields
-
-    def _constraint(self, field: str, fields: dict[str, Any]) -> tuple[str, StructuredOutputsParams]:
-        if self.use_beam_search:
-            raise FieldError(field, f"{field} does not apply to use_beam_search (beams follow the model's logprobs alone)")
-        try:
-            return field, StructuredOutputsParams(**fields)
-        except TypeError as e:  # a key StructuredOutputsParams does not have
-            raise FieldError(field, f"structured_outputs: {e}".replace("StructuredOutputsParams.__init__() ", "")) from None
-        except ValueError as e:
-            raise FieldError(field, str(e)) from None
 
     def _beam_search_unsupported(self) -> tuple[str, str] | None:
         """use_beam_search scores the model's own logprobs: fields that would change or filter them are
@@ -464,21 +416,6 @@ class ChatCompletionRequest(_Sampling):
     def forced_call(self) -> str | None:
         """The function tool_choice names, "required", or None (FieldError for a choice that cannot be met)."""
         return tools.forced(self.tool_choice, self.tools)
-
-    def structured(self) -> tuple[str, StructuredOutputsParams] | None:
-        """As the base's, or a forced tool call's schema (api/tools.py), which takes no other constraint
-        (structured_outputs' options, such as disable_any_whitespace, apply to it)."""
-        choice = self.forced_call
-        if choice is None:
-            return super().structured()
-        setters, _, fields = self._constraint_fields()
-        if setters:
-            kind = next(k for k in _KINDS if fields.get(k) is not None)
-            named = setters[0] if setters[0] != "structured_outputs" else f"structured_outputs.{kind}"
-            raise FieldError("tool_choice", f"tool_choice {self.tool_choice!r} cannot be combined with {named}: "
-                             "a forced tool call is itself a structured output")  # fmt: skip
-        fields["json"] = tools.schema(choice, self.tools, self.parallel_tool_calls)
-        return self._constraint("tool_choice", fields)
 
 
 class TokenizeRequest(BaseModel):

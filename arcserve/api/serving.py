@@ -12,7 +12,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from arcserve.api import logprobs, tools
+from arcserve.api import constraints, logprobs, tools
 from arcserve.api.errors import APIError, ClientDisconnected, bad_request, stream_error
 from arcserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from arcserve.api.streams import finals, merged
@@ -199,23 +199,6 @@ class Serving:
         if got is not None:
             raise APIError(400, got[1], param=got[0], code="unsupported")
 
-    async def _structured(self, body):
-        """The body's structured-output constraint (None if it has none), its grammar checked here, in a
-        worker thread (a schema can take milliseconds; the first request may build the grammar engine's
-        view of the tokenizer): a 400 names the field that asked for it."""
-        try:
-            got = body.structured()
-        except ValueError as e:
-            raise bad_request(e) from e
-        if got is None:
-            return None
-        field, so = got
-        try:
-            await asyncio.to_thread(self.llm.grammars.check, so)
-        except ValueError as e:
-            raise APIError(400, str(e), param=field) from e
-        return so
-
     def _logprob_counts(self, body, *names: str) -> None:
         """The body's logprobs counts as the engine reads them: -1 is the whole vocabulary; above
         --max-logprobs a 400 naming the parameter."""
@@ -230,7 +213,7 @@ class Serving:
         self._logprob_counts(body, "logprobs", "prompt_logprobs")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of must equal n (or be left out)", param="best_of")
-        structured = await self._structured(body)
+        structured = await constraints.checked(body, self.llm.grammars)
         try:  # tokenize once; the engine gets token ids
             todo = body.prompts()
             prompts = await off_loop(sum(len(p) for p in todo if isinstance(p, str)), self._tokenize, todo,
@@ -350,7 +333,7 @@ class Serving:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         self._logprob_counts(body, "top_logprobs", "prompt_logprobs")
-        structured = await self._structured(body)
+        structured = await constraints.checked(body, self.llm.grammars)
         chat_template = self.request_template(body, chat_template)
         requested = body.max_completion_tokens or body.max_tokens
         text, ids = self.llm.truncate_prompt(*await self.render_chat(body, chat_template),

@@ -66,8 +66,8 @@ class StepHandle:
     logprob_rows: list[int] | None = None
     logprob_parts: tuple = ()  # token logprob, rank, top-k ids, top-k logprobs (or None)
     event: object = None
-    # Sampling not issued yet (launch(defer_history=True)): the logits, the rows' draft offsets and
-    # their requests' tokens sampled before the step (at launch); ModelRunner.sample issues it.
+    # The sampler's inputs (logits, draft offsets, the rows' tokens sampled before the step when it
+    # is deferred, the rows' packed parameters) until ModelRunner.sample issues it (launch, or later).
     pending: tuple | None = None
     # Speculative decoding: rows per sampling request (reqs then repeats each request that often).
     row_counts: list[int] | None = None
@@ -362,19 +362,20 @@ class ModelRunner:
                 reqs = [r for r, c in zip(reqs, counts.tolist()) for _ in range(c)]
                 handle.row_counts = counts.tolist()
             logits = self._logits(hidden, last, len(last))
-        handle.reqs, handle.pending = reqs, (logits, offsets, None)
-        if not (defer_history and self.sampler.needs_history(reqs, logits.shape[1])):
+        rows = self.sampler.rows(reqs, logits.shape[1])
+        defer = defer_history and rows[2]
+        # (a deferred sampling takes the positions as they stand now, before the step's tokens are pending)
+        handle.reqs, handle.pending = reqs, (logits, offsets, [num_sampled(r) for r in reqs] if defer else None, rows)
+        if not defer:
             self.sample(handle)
-        else:  # (the positions as they stand now, before the step's own tokens count as pending)
-            handle.pending = (logits, offsets, [num_sampled(r) for r in reqs])
         return handle
 
     @torch.inference_mode()
     def sample(self, handle: StepHandle) -> None:
         """Issue a launched step's sampling and the copies of its results (launch's, or later)."""
-        (logits, offsets, sampled), reqs = handle.pending, handle.reqs
+        (logits, offsets, sampled, rows), reqs = handle.pending, handle.reqs
         handle.pending = None
-        so = self.sampler(logits, reqs, offsets, sampled)
+        so = self.sampler(logits, reqs, offsets, sampled, rows)
         self._last_tokens = so.tokens  # (the next step's input takes them on the device)
         self._last_rows = {r.request_id: i for i, r in enumerate(reqs)}
         handle.tokens = to_host_async(so.tokens)

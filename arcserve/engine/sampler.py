@@ -224,21 +224,23 @@ class Sampler:
             rows.append(row)
         return np.fromiter((f for f, _ in rows), dtype=np.int64, count=len(rows)), [v for _, v in rows]
 
-    def needs_history(self, reqs: list[Request], V: int) -> bool:
-        """Whether a row reads its output so far on the host (penalties, bad words of several tokens,
-        structured outputs): then it samples only once the previous step's tokens are read."""
-        flags, _ = self._rows(reqs, V)
-        return bool(len(flags)) and bool(np.bitwise_or.reduce(flags) & _HISTORY)
+    def rows(self, reqs: list[Request], V: int) -> tuple[np.ndarray, list[np.ndarray], bool]:
+        """The rows' packed parameters (_rows) and whether a row reads its output so far on the host
+        (penalties, bad words of several tokens, structured outputs): then it samples only once the
+        previous step's tokens are read. A step's launch asks, and hands them to __call__."""
+        flags, params = self._rows(reqs, V)
+        return flags, params, bool(len(flags)) and bool(np.bitwise_or.reduce(flags) & _HISTORY)
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request], offsets: np.ndarray | None = None,
-                 sampled: list[int] | None = None) -> SamplerOutput:  # fmt: skip
+                 sampled: list[int] | None = None, rows: tuple | None = None) -> SamplerOutput:  # fmt: skip
         """offsets: per row, the drafts before it (speculative decoding; None = no drafts). sampled:
         per row, its request's tokens sampled before this step (num_sampled when the step was
         launched: a sampling issued later, ModelRunner.sample, finds the step's own token pending
-        and the one before read); None: num_sampled now."""
+        and the one before read); None: num_sampled now. rows: self.rows(reqs, V) when the caller
+        has it already."""
         B, V = logits.shape
         dev = logits.device
-        flags, param_rows = self._rows(reqs, V)
+        flags, param_rows, _ = rows if rows is not None else self.rows(reqs, V)
         some = int(np.bitwise_or.reduce(flags)) if B else 0
 
         def rows_with(flag: int) -> list[int]:

@@ -177,7 +177,7 @@ class Constraint:
         only EOS is allowed, which ends the sequence (under ignore_eos it repeats). Returns the
         grammar engine's error when this token put the matcher in its error state (a limit of its
         own reached: from then on EOS alone is allowed)."""
-        if self.matcher.is_stopped() or self.matcher.is_error():
+        if self.only_eos:
             return None
         return None if self.matcher.consume_token(token) else (self.matcher.get_error() or "unknown error")
 

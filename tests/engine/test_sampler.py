@@ -261,8 +261,8 @@ def test_bad_words_ban_the_last_token_after_the_rest():
     reqs = [bad_words_req([[2]], temperature=1.0) for _ in range(500)]
     out = Sampler(CPU, 1)(torch.zeros(500, 6), reqs)
     assert 2 not in out.tokens.tolist() and len(set(out.tokens.tolist())) == 5
-    assert Sampler(CPU, 1).needs_history(reqs, 6) is False  # one-token words need no history
-    assert Sampler(CPU, 1).needs_history([*reqs, bad_words_req([[1, 5]])], 6) is True
+    assert Sampler(CPU, 1).rows(reqs, 6)[2] is False  # one-token words need no history
+    assert Sampler(CPU, 1).rows([*reqs, bad_words_req([[1, 5]])], 6)[2] is True
 
 
 def test_bad_words_end_to_end(llama_dir):
