@@ -1,7 +1,8 @@
 """GPU benchmarks of issue 4 (random weights of real shapes, bf16, ignore_eos; say so with results):
 
   throughput  Qwen3-0.6B shape, 256 requests, input/output lengths uniform in [100, 1024], random
-              token ids, temperature 0.6 -> output tok/s
+              token ids, temperature 0.6 -> output tok/s (--repetition-penalty, --frequency-penalty,
+              --presence-penalty: the same requests with penalties)
   decode      batch-1 decode ms/token after warm-up (Qwen3-0.6B and Llama-3.1-8B shapes) beside the
               floor: weight bytes over the measured device copy bandwidth
   prefix      TTFT of a prompt whose 4,096-token prefix is cached, against the same prompt cold
@@ -92,7 +93,9 @@ def bench_throughput(a, dirs) -> dict:
     reqs, prompts = throughput_workload()
     kw = {"max_num_batched_tokens": a.max_num_batched_tokens} if a.max_num_batched_tokens else {}
     llm, SP = engine(a, dirs["qwen3-0.6b"], max_model_len=4096, **kw)
-    params = [SP(max_tokens=o, temperature=0.6, ignore_eos=True) for _, o in reqs]
+    pen = dict(repetition_penalty=a.repetition_penalty, frequency_penalty=a.frequency_penalty,
+               presence_penalty=a.presence_penalty)  # (the workload's own: none)
+    params = [SP(max_tokens=o, temperature=0.6, ignore_eos=True, **pen) for _, o in reqs]
     llm.generate(prompts[:8], [SP(max_tokens=16, ignore_eos=True)] * 8, use_tqdm=False)  # warm-up
     steps = record_steps(a.profile_steps) if a.timeline else None
     prof = cProfile.Profile() if a.cprofile else None
@@ -300,6 +303,9 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="throughput: the per-step token budget")
     p.add_argument("--profile-steps", default=None, help="throughput with --timeline: A:B profiles steps A to B")
     p.add_argument("--cprofile", action="store_true", help="throughput: host profile of the run (slows it)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="throughput: every request's (default none)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="throughput: every request's (default none)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="throughput: every request's (default none)")
     p.add_argument("--timeline", default=None, help="throughput: write each step's timing to this JSON file "
                    "and print the steps grouped by kind against their KV-read floor")
     a = p.parse_args()
@@ -318,6 +324,8 @@ def main() -> None:
         r = {"prefix": bench_prefix, "throughput": bench_throughput}[a.which](a, dirs)
     r.update(engine=a.engine, enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling or "default",
              kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size or "default")
+    if (a.repetition_penalty, a.frequency_penalty, a.presence_penalty) != (1.0, 0.0, 0.0):
+        r.update(penalties=[a.repetition_penalty, a.frequency_penalty, a.presence_penalty])
     print("RESULT " + json.dumps(r), flush=True)
     if a.out:
         with open(a.out, "a") as f:

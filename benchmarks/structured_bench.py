@@ -2,10 +2,12 @@
 
     python benchmarks/structured_bench.py [--shape qwen3-0.6b | --model DIR] [--requests 64]
                                           [--prompt-len 256] [--max-tokens 256] [--dtype bfloat16]
+                                          [--kinds KIND ...]
 
 Runs generate() over `requests` prompts of random token ids (ignore_eos, temperature 0.8, the same
-seeds), unconstrained, under each constraint below, and with penalties (no constraint: the other
-kind of row that samples from its output so far), each twice after a warm-up, and prints the
+seeds), unconstrained, under each constraint below, and with penalties (no constraint: rows whose
+logits depend on their output so far, counted on the device), each twice after a warm-up (--kinds:
+only some), and prints the
 output tokens per second and the ratio to the unconstrained run. The constraints keep the grammar
 engine busy for the whole answer (a JSON string the model may write without end; a regex of
 words): every step computes each row's allowed tokens on the host once the previous step's tokens
@@ -43,6 +45,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kinds", nargs="+", default=None, choices=["unconstrained", *CONSTRAINTS, "penalties"],
+                    help="only these kinds (default: all)")
     ap.add_argument("--profile", default=None, choices=[*CONSTRAINTS, "penalties", "unconstrained"],
                     help="instead: one run of that kind under torch.profiler; its top host and device ops")
     a = ap.parse_args()
@@ -81,6 +85,8 @@ def bench(a, model: Path, load_format: str) -> None:
         return
     rows = []
     for name, so in [("unconstrained", None), *CONSTRAINTS.items(), ("penalties", "penalties")]:
+        if a.kinds and name not in a.kinds and name != "unconstrained":  # (the ratios' base always runs)
+            continue
         for _ in range(2):
             s, n = run(so)
             rows.append((name, s, n / s))

@@ -206,3 +206,26 @@ def grammar_greedy(model, model_dir, prompt: list[int], so, max_tokens: int) -> 
         assert m.consume_token(t)
         ids.append(t)
     return out
+
+
+def penalized_greedy(model, prompt: list[int], max_tokens: int, repetition: float = 1.0, frequency: float = 0.0,
+                     presence: float = 0.0) -> list[int]:  # fmt: skip
+    """transformers' greedy tokens under vLLM's penalties, written out from their definitions on every
+    token id in turn: repetition divides a positive logit (multiplies a negative one) of every id in
+    the prompt or the output so far; frequency subtracts f times the id's count in the output;
+    presence subtracts p once if the output holds the id."""
+    ids, out = list(prompt), []
+    for _ in range(max_tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1].tolist()
+        best, best_v = None, None
+        for t, v in enumerate(logits):
+            if t in ids:
+                v = v / repetition if v > 0 else v * repetition
+            n = out.count(t)
+            v -= frequency * n + (presence if n else 0.0)
+            if best_v is None or v > best_v:
+                best, best_v = t, v
+        out.append(best)
+        ids.append(best)
+    return out

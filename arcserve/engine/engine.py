@@ -238,7 +238,7 @@ class LLMEngine(InputProcessor):
         (which the device finished while the host scheduled) and emit its outputs; step N+1 takes
         step N's tokens on the device. Stops are applied one step late: a request that stopped at
         step N computed one surplus token in step N+1, which is dropped. A step with a row that
-        samples from its output so far (penalties, bad words of several tokens, structured outputs)
+        samples from its output so far on the host (bad words of several tokens, structured outputs)
         is launched up to its LM head and samples once step N's tokens are read."""
         due = self._spec_due() if self.proposer is not None else None
         if not self.async_scheduling:

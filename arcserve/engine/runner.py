@@ -199,7 +199,7 @@ class ModelRunner:
             dtype=model.kv_cache_dtype, device=self.device,
         )  # fmt: skip
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
-        self.sampler = Sampler(self.device, seed, model.ops.sample_from_cdf)
+        self.sampler = Sampler(self.device, seed, model.ops.sample_from_cdf, model.ops.apply_penalties)
         # The previous step's sampled tokens (device) and the row of each request in them: the
         # source of tokens that a step computes before the host has read them (overlapped steps).
         self._last_tokens: torch.Tensor | None = None
@@ -331,7 +331,7 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput, defer_history: bool = False) -> StepHandle:
         """Issue the step's work (forward, sampling, copies of the results to the host) without
         waiting for the device (except for prompt logprobs, which are read at once). defer_history:
-        when a sampling row reads its output so far on the host (penalties, bad words of several
+        when a sampling row reads its output so far on the host (bad words of several
         tokens, structured outputs) while the previous step's tokens are still on the device, stop
         after the LM head; sample(handle), once they are read, issues the rest (the forward runs
         on the device meanwhile)."""

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from arcserve.engine import structured
+from arcserve.engine.penalties import PenaltyState, flat
 from arcserve.engine.request import Request
 from arcserve.kernels import reference
 from arcserve.platform import pin_memory_available, to_device
@@ -90,47 +91,6 @@ def _stop_ids(req: Request) -> list[int]:
     no EOS before min_tokens)."""
     p = req.params
     return sorted(set(p.stop_token_ids) | p._eos_token_ids)
-
-
-def _flat(rows: list[int], lists: list) -> tuple[np.ndarray, np.ndarray]:
-    """(row index of each element, elements) of the concatenated lists."""
-    lens = np.fromiter((len(x) for x in lists), dtype=np.int64, count=len(lists))
-    vals = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=int(lens.sum()))
-    return np.repeat(np.asarray(rows, dtype=np.int64), lens), vals
-
-
-def apply_penalties(logits: torch.Tensor, reqs: list[Request], rows: list[int], offsets: np.ndarray | None = None) -> None:
-    """In place, for `rows`: repetition penalty over prompt and output tokens (divide positive
-    logits, multiply negative ones); frequency and presence penalties over output tokens (with the
-    first offsets[i] drafts of a speculating row counted as output).
-    Needs each request's whole history on the host (with overlapped steps the sampling waits for
-    the previous step's tokens: ModelRunner.sample)."""
-    V = logits.shape[1]
-    dev = logits.device
-    sub_rows = list(range(len(rows)))
-    outputs = [reqs[i].output_token_ids for i in rows]
-    if offsets is not None:
-        outputs = [o + reqs[i].spec_token_ids[: offsets[i]] for o, i in zip(outputs, rows)]
-    o_row, o_tok = _flat(sub_rows, outputs)
-    p_row, p_tok = _flat(sub_rows, [reqs[i].prompt_token_ids for i in rows])
-    keep_o, keep_p = o_tok < V, p_tok < V  # a padded vocabulary may hold ids the model never makes
-    idx = np.concatenate([o_row[keep_o], o_tok[keep_o], p_row[keep_p], p_tok[keep_p], np.asarray(rows)])
-    params = [reqs[i].params for i in rows]
-    f = np.array([(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params], np.float32)
-    idx_d, f_d = to_device(idx, dev), to_device(f, dev)
-    no, np_ = int(keep_o.sum()), int(keep_p.sum())
-    o_row_d, o_tok_d = idx_d[:no], idx_d[no : 2 * no]
-    p_row_d, p_tok_d = idx_d[2 * no : 2 * no + np_], idx_d[2 * no + np_ : 2 * (no + np_)]
-    rows_d = idx_d[2 * (no + np_) :]
-    counts = torch.zeros(len(rows), V, device=dev)
-    counts.index_put_((o_row_d, o_tok_d), torch.ones(no, device=dev), accumulate=True)
-    seen = counts > 0
-    seen[p_row_d, p_tok_d] = True
-    rep, freq, pres = f_d[:, 0:1], f_d[:, 1:2], f_d[:, 2:3]
-    sub = logits[rows_d]
-    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    sub = sub - freq * counts - pres * (counts > 0).float()
-    logits[rows_d] = sub
 
 
 def _allowed_array(req: Request) -> np.ndarray:
@@ -201,17 +161,20 @@ def _static_row(req: Request, V: int) -> tuple[int, np.ndarray]:
         | (_GREEDY if p.greedy else 0) | (_SEEDED if req.seed is not None else 0)
         | (_ALLOWED if p.allowed_token_ids else 0) | (_BAD_WORDS if p._bad_words_token_ids else 0)
         | (_GRAMMAR if p._grammar is not None else 0)
-        | (_HISTORY if p.needs_penalties or any(len(t) > 1 for t in p._bad_words_token_ids) or p._grammar else 0)
+        | (_HISTORY if any(len(t) > 1 for t in p._bad_words_token_ids) or p._grammar else 0)
     )  # fmt: skip
     return flags, row
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int, sample_from_cdf=reference.sample_from_cdf) -> None:
+    def __init__(self, device: torch.device, seed: int, sample_from_cdf=reference.sample_from_cdf,
+                 apply_penalties=reference.apply_penalties) -> None:  # fmt: skip
         self.device = device
         self.rng = np.random.default_rng(seed)
-        self.sample_from_cdf = sample_from_cdf  # the kernel namespace's (Triton on GPUs)
+        self.sample_from_cdf = sample_from_cdf  # the kernel namespace's (Triton on GPUs), and:
+        self.apply_penalties = apply_penalties
         self._bits: torch.Tensor | None = None  # structured outputs' allowed-token words (pinned; reused)
+        self.penalties: PenaltyState | None = None  # made at the first penalized row
 
     def _rows(self, reqs: list[Request], V: int) -> tuple[np.ndarray, list[np.ndarray]]:
         """(flags [B], each row's float parameters [6] without the uniform number): computed once
@@ -226,7 +189,7 @@ class Sampler:
 
     def rows(self, reqs: list[Request], V: int) -> tuple[np.ndarray, list[np.ndarray], bool]:
         """The rows' packed parameters (_rows) and whether a row reads its output so far on the host
-        (penalties, bad words of several tokens, structured outputs): then it samples only once the
+        (bad words of several tokens, structured outputs): then it samples only once the
         previous step's tokens are read. A step's launch asks, and hands them to __call__."""
         flags, params = self._rows(reqs, V)
         return flags, params, bool(len(flags)) and bool(np.bitwise_or.reduce(flags) & _HISTORY)
@@ -261,33 +224,36 @@ class Sampler:
         raw = logits
         if allowed_rows or bias_rows or mask_rows or pen_rows or bad_rows or grammar_rows:  # edited in place: a float32 copy
             logits = logits.to(torch.float32, copy=True)
+        # (flat positions row * V + id, and index_fill_ / index_add_: an assignment of a Python scalar
+        # through an index copies it to the device synchronously, and index_put_ with accumulate
+        # waits for the device too, either of which would stall overlapped steps)
+        flat_logits = logits.view(-1)
         if allowed_rows:  # -inf everywhere in those rows but at their allowed ids (validated < vocab)
             arrays = [_allowed_array(reqs[i]) for i in allowed_rows]
             rows = np.repeat(np.asarray(allowed_rows, dtype=np.int64), [len(a) for a in arrays])
-            ids = np.concatenate(arrays)
-            ids_d = to_device(np.stack([rows, ids]), dev)
-            kept = logits[ids_d[0], ids_d[1]]
-            logits[to_device(np.asarray(allowed_rows, dtype=np.int64), dev)] = float("-inf")
-            logits[ids_d[0], ids_d[1]] = kept
+            idx = to_device(np.concatenate([rows * V + np.concatenate(arrays), allowed_rows]), dev)
+            at = idx[: len(rows)]
+            kept = flat_logits[at]
+            logits.index_fill_(0, idx[len(rows) :], float("-inf"))
+            flat_logits.index_copy_(0, at, kept)
         if bias_rows:
             biases = [{t: b for t, b in reqs[i].params.logit_bias.items() if t < V} for i in bias_rows]
-            rows, ids = _flat(bias_rows, [list(d) for d in biases])
+            rows, ids = flat(bias_rows, [list(d) for d in biases])
             vals = np.fromiter(itertools.chain.from_iterable(d.values() for d in biases), np.float32, len(ids))
-            ids_d = to_device(np.stack([rows, ids]), dev)
-            logits.index_put_((ids_d[0], ids_d[1]), to_device(vals, dev).to(logits.dtype), accumulate=True)
+            flat_logits.index_add_(0, to_device(rows * V + ids, dev), to_device(vals, dev))
         if mask_rows:
-            rows, ids = _flat(mask_rows, [[t for t in _stop_ids(reqs[i]) if t < V] for i in mask_rows])
+            rows, ids = flat(mask_rows, [[t for t in _stop_ids(reqs[i]) if t < V] for i in mask_rows])
             if len(ids):
-                ids_d = to_device(np.stack([rows, ids]), dev)
-                logits[ids_d[0], ids_d[1]] = float("-inf")
+                flat_logits.index_fill_(0, to_device(rows * V + ids, dev), float("-inf"))
         if pen_rows:
-            apply_penalties(logits, reqs, pen_rows, offsets)
+            if self.penalties is None:
+                self.penalties = PenaltyState(dev, V, self.apply_penalties)
+            self.penalties.apply(logits, reqs, pen_rows, [_before(reqs, sampled, i) for i in pen_rows], offsets)
         if bad_rows:
             banned = [banned_by_bad_words(reqs[i], offsets[i] if offsets is not None else 0, V) for i in bad_rows]
-            rows, ids = _flat(bad_rows, banned)
+            rows, ids = flat(bad_rows, banned)
             if len(ids):
-                ids_d = to_device(np.stack([rows, ids]), dev)
-                logits[ids_d[0], ids_d[1]] = float("-inf")
+                flat_logits.index_fill_(0, to_device(rows * V + ids, dev), float("-inf"))
         if grammar_rows:  # (rows that earlier edits may have left without a grammar token: checked)
             edited = set(allowed_rows) | set(mask_rows) | set(bad_rows)
             self._apply_grammars(logits, raw, [reqs[i].grammar for i in grammar_rows], grammar_rows, edited)
@@ -310,6 +276,8 @@ class Sampler:
             else:
                 tokens = sampled
 
+        if pen_rows:
+            self.penalties.count(tokens, reqs, pen_rows)
         out = SamplerOutput(tokens=tokens, logprob_rows=lp_rows)
         if lp_rows:
             if len(lp_rows) == B:

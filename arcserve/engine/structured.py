@@ -8,7 +8,7 @@ they are made where the engine runs). At every step the sampler asks the matcher
 rows for the tokens that can continue a valid output (one bit per token, computed on the host by
 llguidance's threads for all rows at once), uploads the bits with the step's other arrays and masks
 every other token; the engine feeds each sampled token back to its sequence's matcher. Constrained
-rows need the previous step's token on the host first, as penalties do (the sampler's _HISTORY): with
+rows need the previous step's token on the host first (the sampler's _HISTORY): with
 overlapped steps such a step is launched up to its LM head, the step before it is read, and then
 its sampling is issued (ModelRunner.sample).
 

@@ -44,6 +44,7 @@ def get_ops(kernels: str, device: torch.device, compiled: bool = True) -> Simple
         rope_cos_sin=reference.rope_cos_sin,
         qkv_prepare=reference.qkv_prepare,
         sample_from_cdf=reference.sample_from_cdf,
+        apply_penalties=reference.apply_penalties,
         # CPU decode attention reads a dense mirror of the decoding sequences' KV (cpu_attention.py).
         paged_attention=cpu_attention.paged_attention if cpu else reference.paged_attention,
         make_decode_mirror=cpu_attention.DecodeMirror if cpu else None,
@@ -77,6 +78,7 @@ def get_ops(kernels: str, device: torch.device, compiled: bool = True) -> Simple
             rope_cos_sin=triton_ops.rope_cos_sin,
             qkv_prepare=triton_ops.qkv_prepare,
             sample_from_cdf=triton_sampling.sample_from_cdf,
+            apply_penalties=triton_sampling.apply_penalties,
             paged_attention=triton_attention.paged_attention,
             make_decode_mirror=None,
             pack_linear_weight=lambda weight: weight,  # Triton kernels read the checkpoint's layout

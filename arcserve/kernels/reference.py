@@ -156,6 +156,19 @@ def sample_from_cdf(x: torch.Tensor, inv_temp: torch.Tensor, u: torch.Tensor) ->
     return picked.clamp_(max=x.shape[1] - 1)
 
 
+def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, prompt: torch.Tensor,
+                    slots: torch.Tensor, params: torch.Tensor) -> None:  # fmt: skip
+    """In place on the float32 logits [B, V]: row rows[j] takes the penalties of table row slots[j]
+    (counts [S, V] float32, the output's count of each token; prompt [S, V] bool, the prompt holds
+    the token; params [S, 3] float32: repetition, frequency, presence). Repetition divides a positive
+    logit and multiplies a negative one where the prompt or the output holds the token; frequency
+    subtracts f times the count; presence subtracts p where the output holds the token."""
+    c, f, sub = counts[slots], params[slots], logits[rows]
+    rep = f[:, 0:1]
+    sub = torch.where(prompt[slots] | (c > 0), torch.where(sub > 0, sub / rep, sub * rep), sub)
+    logits[rows] = sub - f[:, 1:2] * c - f[:, 2:3] * (c > 0).float()
+
+
 def rope_cos_sin(cos_sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
     """The step's rotary context for rotary_embedding, computed once per step in `dtype`: per-token
     (cos, sin), each [T, 1, rot_dim // 2], and their full-width NeoX forms (cos, cos) and

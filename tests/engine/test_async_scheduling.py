@@ -1,7 +1,7 @@
 """Overlapped steps (async_scheduling): the engine schedules and launches step N+1 before it reads
 step N's sampled tokens, which reach step N+1 on the device. The outputs must be those of the
 synchronous loop for every kind of request (greedy, seeded sampling, n > 1, stop strings and token
-ids, min_tokens, logprobs, prompt logprobs, penalties, max_tokens 1), under chunked prefill,
+ids, min_tokens, logprobs, prompt logprobs, penalties, bad words, max_tokens 1), under chunked prefill,
 preemption, prefix-cache hits and aborts, and no KV block may leak."""
 
 from __future__ import annotations
@@ -87,14 +87,19 @@ def workload(llama_dir):
             ("shared1", ps[6], SamplingParams(max_tokens=12, **greedy)),
             ("aborted", ps[4], SamplingParams(max_tokens=40, **greedy)),
         ],
-        9: [("shared2", ps[7], SamplingParams(max_tokens=12, **greedy))],
+        9: [
+            ("shared2", ps[7], SamplingParams(max_tokens=12, **greedy)),
+            # a bad word of several tokens: its rows read the output so far on the host
+            ("badword", ps[2], SamplingParams(bad_words=[tok.decode(g.token_ids[6:9])], max_tokens=16, **greedy)),
+        ],
     }
     return script, {12: ["aborted"]}, (stop_str, stop_tok)
 
 
 def trace(engine: LLMEngine) -> list[tuple[str, int]]:
-    """Log ("launch", k, penalized), ("sample", k) (a sampling issued after its launch) and
-    ("read", k) events of the engine's steps."""
+    """Log ("launch", k, penalized, history), ("sample", k) (a sampling issued after its launch) and
+    ("read", k) events of the engine's steps. penalized: a row samples for a penalized request;
+    history: for a request with a bad word of several tokens."""
     events: list[tuple[str, int]] = []
     launch, finish, sample = engine.runner.launch, engine._finish, engine.runner.sample
     counter = iter(range(10**6))
@@ -102,8 +107,10 @@ def trace(engine: LLMEngine) -> list[tuple[str, int]]:
     def traced_launch(out, **kw):
         handle = launch(out, **kw)
         handle.step_no = next(counter)
-        handle.penalized = any(s.sample and s.request.params.needs_penalties for s in out.seqs)
-        events.append(("launch", handle.step_no, handle.penalized))
+        rows = [s.request.params for s in out.seqs if s.sample]
+        penalized = any(p.needs_penalties for p in rows)
+        history = any(len(w) > 1 for p in rows for w in p._bad_words_token_ids)
+        events.append(("launch", handle.step_no, penalized, history))
         return handle
 
     def traced_sample(handle):
@@ -144,21 +151,24 @@ def test_overlapped_steps_give_the_synchronous_outputs(llama_dir, workload):
     assert sync["shared2"][2]  # a prefix-cache hit
 
     # Synchronous: every step is read before the next is launched. Overlapped: step k+1 launches
-    # before step k is read; a step that samples for a penalized request (penalties need the whole
-    # history on the host) issues its sampling only after step k is read, the others at launch.
+    # before step k is read; a step that samples for a request with a bad word of several tokens
+    # (it needs the output so far on the host) issues its sampling only after step k is read, the
+    # others at launch, penalized ones included (their counts are kept on the device).
     def order(ev):
         at = {(e[0], e[1]): i for i, e in enumerate(ev)}
         penalized = {e[1] for e in ev if e[0] == "launch" and e[2]}
+        history = {e[1] for e in ev if e[0] == "launch" and e[3]}
         n = sum(1 for e in ev if e[0] == "launch")
         early = [k for k in range(n - 1) if at[("launch", k + 1)] < at[("read", k)]]
         late = {e[1] for e in ev if e[0] == "sample"}
         assert all(at[("read", k - 1)] < at[("sample", k)] < at[("read", k)] for k in late)
-        return n, early, penalized, late
+        return n, early, penalized, history, late
 
-    n, early, _, late = order(events[False])
+    n, early, _, _, late = order(events[False])
     assert early == [] and n > 20 and not late
-    n, early, penalized, late = order(events[True])
-    assert penalized and early == list(range(n - 1)) and late == penalized - {0}
+    n, early, penalized, history, late = order(events[True])
+    assert early == list(range(n - 1)) and history and late == history - {0}
+    assert len(penalized - history) > 5 and not (penalized - history) & late
 
 
 def test_overlapped_seeded_sampling_matches_alone(llama_dir):

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from arcserve import LLM, SamplingParams
+from arcserve.engine.penalties import PenaltyState
 from arcserve.engine.request import Request
-from arcserve.engine.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p
+from arcserve.engine.sampler import Sampler, apply_top_k_top_p_min_p
 from arcserve.sampling_params import GREEDY_EPS
 
 CPU = torch.device("cpu")
@@ -335,7 +336,7 @@ def penalized(**kw) -> list[float]:
         make_req(SamplingParams(**kw), prompt=_PROMPT, output=_OUTPUT),
         make_req(SamplingParams(), prompt=_PROMPT, output=_OUTPUT),
     ]
-    apply_penalties(logits, reqs, [0])
+    PenaltyState(CPU, len(_BASE)).apply(logits, reqs, [0], [len(_OUTPUT)], None)
     assert logits[1].tolist() == pytest.approx(_BASE)  # rows not listed are untouched
     return logits[0].tolist()
 

@@ -219,6 +219,36 @@ def test_sample_from_cdf_matches_twin(rows, vocab, dtype):
     assert int(triton_ops.zeroed_counters(1, DEVICE).abs().sum()) == 0  # left at 0 for the next launch
 
 
+@pytest.mark.parametrize("rows,vocab,slots", [(1, 5, 1), (6, 1000, 9), (5, 4097, 5), (3, 12289, 8)]
+                         + ([(256, 151936, 300)] if GPU else []))  # fmt: skip
+def test_apply_penalties_matches_twin(rows, vocab, slots):
+    """Some of the logits' rows (in any order) take the penalties of table rows (in any order, not
+    all used): counts of a few tokens each, prompt flags, every penalty alone and together, both
+    signs; the rows not named stay as they were. Vocabularies past one block and off its multiple."""
+    x = rand(rows + 2, vocab, scale=3.0).float()
+    counts = torch.zeros(slots, vocab, device=DEVICE)
+    counts[torch.rand(slots, vocab, device=DEVICE) < 0.05] = 1.0
+    counts[torch.rand(slots, vocab, device=DEVICE) < 0.02] = 3.0
+    prompt = torch.rand(slots, vocab, device=DEVICE) < 0.1
+    params = torch.stack([torch.rand(slots, device=DEVICE) + 0.5, torch.randn(slots, device=DEVICE),
+                          torch.randn(slots, device=DEVICE)], dim=1)  # fmt: skip
+    counts[:, 1] = 2.0
+    if slots > 2:
+        params[0, 1:] = 0.0  # repetition alone
+        params[-1, 0] = 1.0  # frequency and presence alone
+    row_ids = torch.randperm(rows + 2, device=DEVICE)[:rows]
+    slot_ids = torch.randperm(slots, device=DEVICE)[:rows]
+    want = x.clone()
+    reference.apply_penalties(want, row_ids, counts, prompt, slot_ids, params)
+    got = x.clone()
+    triton_sampling.apply_penalties(got, row_ids, counts, prompt, slot_ids, params)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(got[row_ids], x[row_ids])  # (the penalties changed something)
+    untouched = torch.ones(rows + 2, dtype=torch.bool, device=DEVICE)
+    untouched[row_ids] = False
+    assert torch.equal(got[untouched], x[untouched])
+
+
 @pytest.mark.parametrize("kvh,head_dim", [(1, 64), (3, 64), (2, 128)])
 def test_store_kv_from_strided_views_skips_padding(kvh, head_dim):
     T, nb, bs = 11, 6, 16
@@ -529,3 +559,14 @@ def test_gemv_program_shape_takes_whole_rows_up_to_the_one_tile_limit():
     limit = triton_linear.ONE_TILE_MAX_K
     assert triton_linear._tiles(1, limit)[2] >= limit
     assert triton_linear._tiles(1, 4500)[2] < 4500 and triton_linear._tiles(1, 4400)[2] < 4400
+
+
+def test_every_kernel_takes_the_pdl_flag():
+    """platform.triton_launch_options passes PDL=True to every launch on GPUs with programmatic
+    dependent launch: a kernel without the parameter fails there, and only there (the interpreter
+    gets no options)."""
+    kernels = [(m.__name__, name, fn) for m in (triton_attention, triton_linear, triton_ops, triton_sampling)
+               for name, fn in vars(m).items() if isinstance(fn, triton.runtime.KernelInterface) and name.endswith("_kernel")]  # fmt: skip
+    assert len(kernels) >= 8
+    missing = [f"{mod}.{name}" for mod, name, fn in kernels if "PDL" not in fn.arg_names]
+    assert not missing

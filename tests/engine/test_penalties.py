@@ -1,0 +1,108 @@
+"""Repetition, frequency and presence penalties through the engine (engine/penalties.py: each
+request's token counts kept on the device and brought up to date from the sampled tokens): greedy
+tokens against transformers' logits penalized from the definitions at every step
+(tiny_models.penalized_greedy), through every engine path, and slots reused as requests end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import penalized_greedy
+
+from arcserve import LLM, SamplingParams
+
+# (repetition, frequency, presence): each penalty alone, both signs, and together
+PENALTIES = [(1.3, 0.0, 0.0), (0.8, 0.0, 0.0), (1.0, 0.5, 0.0), (1.0, -0.3, 0.0), (1.0, 0.0, 2.0), (1.2, 0.2, 0.3)]
+PROMPTS = [[5, 6, 7, 8, 9] * 3, [40, 41, 42] * 4, list(range(60, 72)) * 2, [11, 12] * 6]
+MAX_TOKENS = 24
+
+
+def params(rep: float, freq: float, pres: float) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=rep,
+                          frequency_penalty=freq, presence_penalty=pres)  # fmt: skip
+
+
+def workload() -> tuple[list[dict], list[SamplingParams], list[tuple]]:
+    """Every penalty setting on two prompts, and plain greedy requests beside them."""
+    cases = [(PROMPTS[(i + j) % len(PROMPTS)], pen) for i, pen in enumerate(PENALTIES) for j in (0, 1)]
+    cases += [(p, (1.0, 0.0, 0.0)) for p in PROMPTS[:2]]
+    return [{"prompt_token_ids": p} for p, _ in cases], [params(*pen) for _, pen in cases], cases
+
+
+@pytest.fixture(scope="module")
+def oracle(llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    _, _, cases = workload()
+    return [penalized_greedy(model, p, MAX_TOKENS, *pen) for p, pen in cases]
+
+
+def test_the_oracle_is_not_plain_greedy(oracle):
+    """The penalties change what the tiny model says (else the comparisons below prove little)."""
+    _, _, cases = workload()
+    plain = {tuple(p): out for (p, pen), out in zip(cases, oracle) if pen == (1.0, 0.0, 0.0)}
+    changed = [out != plain[tuple(p)] for (p, pen), out in zip(cases, oracle) if tuple(p) in plain and pen != (1.0, 0.0, 0.0)]
+    assert len(changed) >= 4 and all(changed)
+
+
+@pytest.mark.parametrize("engine_kw", [
+    {},
+    {"async_scheduling": True},
+    {"num_kv_blocks": 40, "block_size": 4, "max_num_batched_tokens": 16, "max_model_len": 128},  # chunks, preemption
+    {"speculative_config": "draft"},
+    {"speculative_config": "draft", "async_scheduling": True},
+    {"enable_prefix_caching": True, "second_pass": True},
+    {"kernels": "triton"},  # (the Triton kernel; in CI under the interpreter)
+], ids=["plain", "overlapped", "preempted", "speculating", "speculating-overlapped", "prefix-cached", "triton"])  # fmt: skip
+def test_penalized_greedy_tokens_equal_the_oracle(llama_dir, oracle, engine_kw):
+    prompts, sps, _ = workload()
+    if engine_kw.get("kernels") == "triton":  # (slow under the interpreter: one request per penalty kind)
+        pick = [0, 4, 8, 10, 12]
+        prompts, sps, oracle = [prompts[i] for i in pick], [sps[i] for i in pick], [oracle[i] for i in pick]
+    kw = dict(engine_kw)
+    if kw.get("speculative_config") == "draft":  # the model drafts for itself: its plain argmax
+        kw["speculative_config"] = {"model": str(llama_dir), "num_speculative_tokens": 3}
+    runs = 2 if kw.pop("second_pass", False) else 1
+    llm = LLM(model=str(llama_dir), dtype="float32", **{"max_model_len": 256, **kw})
+    for _ in range(runs):  # (a second pass: the prompts' blocks come from the prefix cache)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
+        assert got == oracle
+    stats = llm.llm_engine.scheduler.stats()
+    if "num_kv_blocks" in kw:
+        assert stats.num_preemptions > 0
+    if runs == 2:
+        assert stats.prefix_cache_hits > 0
+    if "speculative_config" in kw:  # drafts were accepted (and rejected) for penalized requests, not only plain ones
+        penalized = [i for i, sp in enumerate(sps) if sp.needs_penalties]
+        spec = llm.llm_engine.metrics.spec
+        drafted, accepted = spec.num_draft_tokens, spec.num_accepted_tokens
+        got = [o.outputs[0].token_ids for o in llm.generate([prompts[i] for i in penalized],
+                                                            [sps[i] for i in penalized], use_tqdm=False)]  # fmt: skip
+        assert got == [oracle[i] for i in penalized]
+        assert spec.num_draft_tokens - drafted > spec.num_accepted_tokens - accepted > 0
+
+
+def test_slots_are_reused_as_requests_end(llama_dir, oracle):
+    """Three requests at a time, twelve penalized ones in all: finished requests' slots (their
+    counts reset) serve the later ones, and the device's table never grows past its first size."""
+    prompts, sps, _ = workload()
+    llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=256, max_num_seqs=3)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
+    assert got == oracle
+    state = llm.llm_engine.runner.sampler.penalties
+    assert len(state.owner) == 8 < sum(sp.needs_penalties for sp in sps)
+    # again in reverse order: every slot now holds an earlier request's counts
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts[::-1], sps[::-1], use_tqdm=False)]
+    assert got == oracle[::-1] and len(state.owner) == 8
+
+
+def test_n_sequences_count_their_own_tokens(llama_dir):
+    """n > 1: each sequence's penalties count its own output, so a seeded sequence samples as it does
+    alone (n = 1 with the same per-sequence seed)."""
+    llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=256)
+    sp = dict(temperature=1.0, max_tokens=20, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5)
+    many = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(n=4, seed=9, **sp), use_tqdm=False)[0]
+    alone = [llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(seed=9 + i, **sp),
+                          use_tqdm=False)[0].outputs[0].token_ids for i in range(4)]  # fmt: skip
+    assert [o.token_ids for o in many.outputs] == alone and len({tuple(a) for a in alone}) == 4
