@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from arcserve.config import EngineArgs
+from arcserve.engine.penalties import PenaltyState
 from arcserve.engine.runner import kv_cache_bytes_per_block, profile_peak_activations
 from arcserve.models.decoder import DecoderModel
 from arcserve.platform import memory_info
@@ -72,15 +73,17 @@ def plan_kv_cache(args: EngineArgs, model: DecoderModel, draft_model: DecoderMod
 
 def _gpu_budget(a: EngineArgs, model: DecoderModel, max_model_len: int, max_num_batched_tokens: int) -> int:
     """gpu_memory_utilization of the device's memory, minus what is in use now (weights, context,
-    other processes) and the peak activations of a profile step at max_num_batched_tokens."""
+    other processes), the peak activations of a profile step at max_num_batched_tokens and the
+    penalties' table (made at the first penalized request: PenaltyState)."""
     free, total = memory_info(model.device)
     used = total - free
     activations = profile_peak_activations(model, max_num_batched_tokens, max_model_len, a.max_num_seqs, a.block_size)
+    activations += PenaltyState.table_bytes(a.max_num_seqs, model.cfg.vocab_size)
     budget = int(total * a.gpu_memory_utilization) - used - activations
     logger.info(
-        "Memory: %.2f GiB of %.2f GiB in use after loading; peak activations %.2f GiB; KV cache budget "
-        "%.2f GiB (gpu_memory_utilization %.2f)", used / 2**30, total / 2**30, activations / 2**30,
-        budget / 2**30, a.gpu_memory_utilization,
+        "Memory: %.2f GiB of %.2f GiB in use after loading; peak activations and the penalties' table "
+        "%.2f GiB; KV cache budget %.2f GiB (gpu_memory_utilization %.2f)", used / 2**30, total / 2**30,
+        activations / 2**30, budget / 2**30, a.gpu_memory_utilization,
     )  # fmt: skip
     if budget <= 0:
         raise ValueError(

@@ -37,7 +37,11 @@ def flat(rows: list[int], lists: list) -> tuple[np.ndarray, np.ndarray]:
 class PenaltyState:
     """The device's counts of the penalized requests' tokens, by slot (see the module's text)."""
 
-    def __init__(self, device: torch.device, vocab: int, apply_penalties=reference.apply_penalties) -> None:
+    def __init__(self, device: torch.device, vocab: int, apply_penalties=reference.apply_penalties,
+                 slots: int | None = None) -> None:  # fmt: skip
+        """slots: the table's rows, allocated now (the engine passes max_num_seqs: a step's rows
+        belong to at most that many requests, and the memory is set aside at startup, see
+        table_bytes); None: 8, doubled whenever every slot is taken."""
         self.device = device
         self.vocab = vocab
         self.kernel = apply_penalties  # the kernel namespace's (Triton on GPUs)
@@ -46,9 +50,16 @@ class PenaltyState:
         self.params = torch.zeros(0, 3, dtype=torch.float32, device=device)  # repetition, frequency, presence
         self.params_host = np.zeros((0, 3), dtype=np.float32)
         self.owner: list[Request | None] = []
+        self.free: list[int] = []  # slots without an owner (popped from the end: lowest first)
         self.counted = np.zeros(0, dtype=np.int64)  # output tokens each slot's counts hold
         self.slot_of: dict[Request, int] = {}
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, slots) of the last apply
+        self._grow(slots or 8)
+
+    @staticmethod
+    def table_bytes(slots: int, vocab: int) -> int:
+        """Device memory of a table of `slots` slots: float32 counts, bool flags, three penalties."""
+        return slots * (vocab * 5 + 12)
 
     def apply(self, logits: torch.Tensor, reqs: list[Request], rows: list[int], before: list[int],
               offsets: np.ndarray | None) -> None:  # fmt: skip
@@ -62,11 +73,13 @@ class PenaltyState:
             ks = offsets[rows]
             j, toks = flat(np.flatnonzero(ks).tolist(), [reqs[i].spec_token_ids[:k] for i, k in zip(rows, ks.tolist()) if k])
             extra = (j * V + toks)[toks < V]
-        idx = to_device(np.concatenate([np.asarray(rows, np.int64), slots, extra]), dev)
-        rows_d, slots_d = idx[:R], idx[R : 2 * R]
+        # (the slots start 16-byte aligned whatever R is: Triton compiles a kernel per pointer alignment)
+        a = R + (R & 1)
+        idx = to_device(np.concatenate([np.asarray(rows, np.int64), np.zeros(a - R, np.int64), slots, extra]), dev)
+        rows_d, slots_d = idx[:R], idx[a : a + R]
         if len(extra):  # the rows' own tables, each speculating row's counts with the drafts before it
             c = self.counts[slots_d]
-            c.view(-1).index_add_(0, idx[2 * R :], torch.ones(len(extra), device=dev))
+            c.view(-1).index_add_(0, idx[a + R :], torch.ones(len(extra), device=dev))
             self.kernel(logits, rows_d, c, self.prompt[slots_d], torch.arange(R, device=dev), self.params[slots_d])
         else:
             self.kernel(logits, rows_d, self.counts, self.prompt, slots_d, self.params)
@@ -106,27 +119,25 @@ class PenaltyState:
         return slots
 
     def _new_slot(self, req: Request, busy: list[Request]) -> int:
-        free = [s for s, r in enumerate(self.owner) if r is None]
-        if not free:  # reclaim the slots of requests that ended or were preempted (not of this step's rows)
+        if not self.free:  # reclaim the slots of requests that ended or were preempted (not of this step's rows)
             rows = set(busy)
-            for s, r in enumerate(self.owner):
+            for s, r in reversed(list(enumerate(self.owner))):
                 if (r.is_finished or r.status != RequestStatus.RUNNING) and r not in rows:
                     del self.slot_of[r]
                     self.owner[s] = None
-                    free.append(s)
-        if not free:
-            self._grow()
-            free = [s for s, r in enumerate(self.owner) if r is None]
-        s = free[0]
+                    self.free.append(s)
+        if not self.free:
+            self._grow(len(self.owner))
+        s = self.free.pop()
         self.owner[s] = req
         self.slot_of[req] = s
         p = req.params
         self.params_host[s] = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
         return s
 
-    def _grow(self) -> None:
+    def _grow(self, more: int) -> None:
         old = len(self.owner)
-        new = max(8, 2 * old)
+        new = old + more
         dev = self.device
         self.counts = torch.cat([self.counts, torch.zeros(new - old, self.vocab, device=dev)])
         self.prompt = torch.cat([self.prompt, torch.zeros(new - old, self.vocab, dtype=torch.bool, device=dev)])
@@ -134,6 +145,7 @@ class PenaltyState:
         self.params_host = np.concatenate([self.params_host, np.zeros((new - old, 3), np.float32)])
         self.counted = np.concatenate([self.counted, np.zeros(new - old, np.int64)])
         self.owner += [None] * (new - old)
+        self.free = list(range(new - 1, old - 1, -1)) + self.free
 
     def _fill(self, fill: dict[int, tuple[Request, int, int]]) -> None:
         """Bring slots up to date from the host in one upload: new slots (counted -1) are reset and
@@ -143,7 +155,9 @@ class PenaltyState:
         host wait for the device.)"""
         V, dev = self.vocab, self.device
         new = [s for s, (_, c, _) in fill.items() if c < 0]
-        o_row, o_tok = flat(list(fill), [r.output_token_ids[max(c, 0) : n] for r, c, n in fill.values()])
+        # (slices of token_ids: output_token_ids would copy a request's whole output first)
+        outs = [r.token_ids[r.num_prompt_tokens + max(c, 0) : r.num_prompt_tokens + n] for r, c, n in fill.values()]
+        o_row, o_tok = flat(list(fill), outs)
         p_row, p_tok = flat(new, [fill[s][0].prompt_token_ids for s in new])
         # (a padded vocabulary may hold ids the model never makes)
         o_lin, p_lin = (o_row * V + o_tok)[o_tok < V], (p_row * V + p_tok)[p_tok < V]

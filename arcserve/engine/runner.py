@@ -199,7 +199,7 @@ class ModelRunner:
             dtype=model.kv_cache_dtype, device=self.device,
         )  # fmt: skip
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
-        self.sampler = Sampler(self.device, seed, model.ops.sample_from_cdf, model.ops.apply_penalties)
+        self.sampler = Sampler(self.device, seed, model.ops.sample_from_cdf, model.ops.apply_penalties, max_num_seqs)
         # The previous step's sampled tokens (device) and the row of each request in them: the
         # source of tokens that a step computes before the host has read them (overlapped steps).
         self._last_tokens: torch.Tensor | None = None

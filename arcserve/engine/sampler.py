@@ -168,11 +168,13 @@ def _static_row(req: Request, V: int) -> tuple[int, np.ndarray]:
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int, sample_from_cdf=reference.sample_from_cdf,
-                 apply_penalties=reference.apply_penalties) -> None:  # fmt: skip
+                 apply_penalties=reference.apply_penalties, penalty_slots: int | None = None) -> None:  # fmt: skip
+        """penalty_slots: the penalties' table size (PenaltyState's slots; the engine: max_num_seqs)."""
         self.device = device
         self.rng = np.random.default_rng(seed)
         self.sample_from_cdf = sample_from_cdf  # the kernel namespace's (Triton on GPUs), and:
         self.apply_penalties = apply_penalties
+        self.penalty_slots = penalty_slots
         self._bits: torch.Tensor | None = None  # structured outputs' allowed-token words (pinned; reused)
         self.penalties: PenaltyState | None = None  # made at the first penalized row
 
@@ -223,11 +225,11 @@ class Sampler:
         grammar_rows = rows_with(_GRAMMAR)
         raw = logits
         if allowed_rows or bias_rows or mask_rows or pen_rows or bad_rows or grammar_rows:  # edited in place: a float32 copy
-            logits = logits.to(torch.float32, copy=True)
-        # (flat positions row * V + id, and index_fill_ / index_add_: an assignment of a Python scalar
-        # through an index copies it to the device synchronously, and index_put_ with accumulate
-        # waits for the device too, either of which would stall overlapped steps)
-        flat_logits = logits.view(-1)
+            logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+            # (flat positions row * V + id, and index_fill_ / index_add_: an assignment of a Python
+            # scalar through an index copies it to the device synchronously, and index_put_ with
+            # accumulate waits for the device too, either of which would stall overlapped steps)
+            flat_logits = logits.view(-1)
         if allowed_rows:  # -inf everywhere in those rows but at their allowed ids (validated < vocab)
             arrays = [_allowed_array(reqs[i]) for i in allowed_rows]
             rows = np.repeat(np.asarray(allowed_rows, dtype=np.int64), [len(a) for a in arrays])
@@ -247,7 +249,7 @@ class Sampler:
                 flat_logits.index_fill_(0, to_device(rows * V + ids, dev), float("-inf"))
         if pen_rows:
             if self.penalties is None:
-                self.penalties = PenaltyState(dev, V, self.apply_penalties)
+                self.penalties = PenaltyState(dev, V, self.apply_penalties, self.penalty_slots)
             self.penalties.apply(logits, reqs, pen_rows, [_before(reqs, sampled, i) for i in pen_rows], offsets)
         if bad_rows:
             banned = [banned_by_bad_words(reqs[i], offsets[i] if offsets is not None else 0, V) for i in bad_rows]

@@ -85,7 +85,9 @@ def workload(llama_dir):
         ],
         6: [
             ("shared1", ps[6], SamplingParams(max_tokens=12, **greedy)),
-            ("aborted", ps[4], SamplingParams(max_tokens=40, **greedy)),
+            ("aborted", ps[4], SamplingParams(max_tokens=40, repetition_penalty=1.2, **greedy)),
+            # penalized, ended by a stop string (one step late when steps overlap)
+            ("penstop", ps[3], SamplingParams(stop=["e", " "], max_tokens=40, presence_penalty=0.8, **greedy)),
         ],
         9: [
             ("shared2", ps[7], SamplingParams(max_tokens=12, **greedy)),
@@ -149,6 +151,7 @@ def test_overlapped_steps_give_the_synchronous_outputs(llama_dir, workload):
     assert sync["stoptok"][0][0][3:5] == ("stop", stop_tok)
     assert len(sync["one"][0][0][1]) == 1 and len(sync["minp"][0][0][1]) >= 15
     assert sync["shared2"][2]  # a prefix-cache hit
+    assert sync["penstop"][0][0][3] == "stop" and len(sync["penstop"][0][0][1]) > 1
 
     # Synchronous: every step is read before the next is launched. Overlapped: step k+1 launches
     # before step k is read; a step that samples for a request with a bad word of several tokens

@@ -10,6 +10,7 @@ import torch
 from tiny_models import penalized_greedy
 
 from arcserve import LLM, SamplingParams
+from arcserve.engine.penalties import PenaltyState
 
 # (repetition, frequency, presence): each penalty alone, both signs, and together
 PENALTIES = [(1.3, 0.0, 0.0), (0.8, 0.0, 0.0), (1.0, 0.5, 0.0), (1.0, -0.3, 0.0), (1.0, 0.0, 2.0), (1.2, 0.2, 0.3)]
@@ -50,11 +51,12 @@ def test_the_oracle_is_not_plain_greedy(oracle):
     {},
     {"async_scheduling": True},
     {"num_kv_blocks": 40, "block_size": 4, "max_num_batched_tokens": 16, "max_model_len": 128},  # chunks, preemption
+    {"num_kv_blocks": 40, "block_size": 4, "max_num_batched_tokens": 16, "max_model_len": 128, "async_scheduling": True},
     {"speculative_config": "draft"},
     {"speculative_config": "draft", "async_scheduling": True},
     {"enable_prefix_caching": True, "second_pass": True},
     {"kernels": "triton"},  # (the Triton kernel; in CI under the interpreter)
-], ids=["plain", "overlapped", "preempted", "speculating", "speculating-overlapped", "prefix-cached", "triton"])  # fmt: skip
+], ids=["plain", "overlapped", "preempted", "preempted-overlapped", "speculating", "speculating-overlapped", "prefix-cached", "triton"])  # fmt: skip
 def test_penalized_greedy_tokens_equal_the_oracle(llama_dir, oracle, engine_kw):
     prompts, sps, _ = workload()
     if engine_kw.get("kernels") == "triton":  # (slow under the interpreter: one request per penalty kind)
@@ -85,16 +87,16 @@ def test_penalized_greedy_tokens_equal_the_oracle(llama_dir, oracle, engine_kw):
 
 def test_slots_are_reused_as_requests_end(llama_dir, oracle):
     """Three requests at a time, twelve penalized ones in all: finished requests' slots (their
-    counts reset) serve the later ones, and the device's table never grows past its first size."""
+    counts reset) serve the later ones, and the device's table keeps its size, max_num_seqs."""
     prompts, sps, _ = workload()
     llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=256, max_num_seqs=3)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
     assert got == oracle
     state = llm.llm_engine.runner.sampler.penalties
-    assert len(state.owner) == 8 < sum(sp.needs_penalties for sp in sps)
+    assert len(state.owner) == 3 < sum(sp.needs_penalties for sp in sps)  # one slot per running request
     # again in reverse order: every slot now holds an earlier request's counts
     got = [o.outputs[0].token_ids for o in llm.generate(prompts[::-1], sps[::-1], use_tqdm=False)]
-    assert got == oracle[::-1] and len(state.owner) == 8
+    assert got == oracle[::-1] and len(state.owner) == 3
 
 
 def test_n_sequences_count_their_own_tokens(llama_dir):
@@ -106,3 +108,51 @@ def test_n_sequences_count_their_own_tokens(llama_dir):
     alone = [llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(seed=9 + i, **sp),
                           use_tqdm=False)[0].outputs[0].token_ids for i in range(4)]  # fmt: skip
     assert [o.token_ids for o in many.outputs] == alone and len({tuple(a) for a in alone}) == 4
+
+
+@pytest.mark.parametrize("engine_kw", [
+    {"num_kv_blocks": 32, "block_size": 4, "max_num_batched_tokens": 16, "max_model_len": 128, "max_num_seqs": 3,
+     "async_scheduling": True},
+    {"speculative_config": "draft", "async_scheduling": True, "max_num_seqs": 3},
+], ids=["overlapped-preempted-reused", "speculating-overlapped-reused"])  # fmt: skip
+def test_each_sampling_sees_exactly_its_request_history(llama_dir, engine_kw, monkeypatch):
+    """Whatever the path (tokens pending on the device, preemptions, drafts accepted and rejected,
+    slots reused, stop strings ending requests, n > 1), every penalized row samples over its slot's
+    prompt flags, penalties and counts of exactly the output its request had before the step (read
+    back once the run is over, when the host holds every token)."""
+    seen = []
+    orig = PenaltyState._slots
+
+    def recording(self, reqs, before):
+        slots = orig(self, reqs, before)
+        for req, n, s in zip(reqs, before, slots):
+            seen.append((req, n, self.counts[s].cpu().clone(), self.prompt[s].cpu().clone(), self.params[s].tolist()))
+        return slots
+
+    monkeypatch.setattr(PenaltyState, "_slots", recording)
+    kw = dict(engine_kw)
+    if kw.get("speculative_config") == "draft":
+        kw["speculative_config"] = {"model": str(llama_dir), "num_speculative_tokens": 3}
+    llm = LLM(model=str(llama_dir), dtype="float32", **{"max_model_len": 256, **kw})
+    prompts, sps, _ = workload()
+    sps = [sp.clone() for sp in sps]
+    for i, sp in enumerate(sps):
+        sp.temperature, sp.seed, sp.max_tokens = 1.0, i, 60  # sampled: the outputs wander
+        if i % 3 == 0:
+            sp.stop = ["e", "a"]  # ends some requests early (one step late when steps overlap)
+    sps[1].n = 2
+    outs = llm.generate(prompts, sps, use_tqdm=False)
+    assert any(c.finish_reason == "stop" for o in outs for c in o.outputs)
+    assert len({id(r) for r, *_ in seen}) > 10 and len(seen) > 100
+    for req, n, counts, prompt, params in seen:
+        out = req.token_ids[req.num_prompt_tokens : req.num_prompt_tokens + n]
+        assert req.num_output_tokens >= n
+        assert torch.equal(counts, torch.bincount(torch.tensor(out, dtype=torch.long), minlength=len(counts)).float())
+        assert torch.equal(prompt, torch.bincount(torch.tensor(req.prompt_token_ids), minlength=len(prompt)) > 0)
+        p = req.params
+        assert params == pytest.approx([p.repetition_penalty, p.frequency_penalty, p.presence_penalty])
+    if "num_kv_blocks" in kw:
+        assert llm.llm_engine.scheduler.stats().num_preemptions > 0
+    else:
+        spec = llm.llm_engine.metrics.spec
+        assert spec.num_draft_tokens > spec.num_accepted_tokens > 0

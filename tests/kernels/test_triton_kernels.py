@@ -225,7 +225,7 @@ def test_apply_penalties_matches_twin(rows, vocab, slots):
     """Some of the logits' rows (in any order) take the penalties of table rows (in any order, not
     all used): counts of a few tokens each, prompt flags, every penalty alone and together, both
     signs; the rows not named stay as they were. Vocabularies past one block and off its multiple."""
-    x = rand(rows + 2, vocab, scale=3.0).float()
+    x = rand(rows + 2, vocab + 3, scale=3.0).float()[:, :vocab]  # (rows further apart than the vocabulary)
     counts = torch.zeros(slots, vocab, device=DEVICE)
     counts[torch.rand(slots, vocab, device=DEVICE) < 0.05] = 1.0
     counts[torch.rand(slots, vocab, device=DEVICE) < 0.02] = 3.0
@@ -240,8 +240,11 @@ def test_apply_penalties_matches_twin(rows, vocab, slots):
     slot_ids = torch.randperm(slots, device=DEVICE)[:rows]
     want = x.clone()
     reference.apply_penalties(want, row_ids, counts, prompt, slot_ids, params)
-    got = x.clone()
+    whole = torch.full((rows + 2, vocab + 3), float("nan"), device=DEVICE)
+    whole[:, :vocab] = x
+    got = whole[:, :vocab]
     triton_sampling.apply_penalties(got, row_ids, counts, prompt, slot_ids, params)
+    assert got.stride(0) == vocab + 3 and whole[:, vocab:].isnan().all()  # the padding untouched
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert not torch.equal(got[row_ids], x[row_ids])  # (the penalties changed something)
     untouched = torch.ones(rows + 2, dtype=torch.bool, device=DEVICE)
