@@ -53,7 +53,10 @@ class PenaltyState:
         self.free: list[int] = []  # slots without an owner (popped from the end: lowest first)
         self.counted = np.zeros(0, dtype=np.int64)  # output tokens each slot's counts hold
         self.slot_of: dict[Request, int] = {}
-        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, slots) of the last apply
+        # count()'s inputs from the last apply: rows (None: every row, in order), each row's first
+        # flat position in the table, the host's slots
+        self._last: tuple[torch.Tensor | None, torch.Tensor, np.ndarray] | None = None
+        self._upload: tuple[np.ndarray, torch.Tensor] | None = None  # the last apply's indices, host and device
         self._grow(slots or 8)
 
     @staticmethod
@@ -73,28 +76,37 @@ class PenaltyState:
             ks = offsets[rows]
             j, toks = flat(np.flatnonzero(ks).tolist(), [reqs[i].spec_token_ids[:k] for i, k in zip(rows, ks.tolist()) if k])
             extra = (j * V + toks)[toks < V]
-        # (the slots start 16-byte aligned whatever R is: Triton compiles a kernel per pointer alignment)
+        # One upload: rows, slots, the slots' first flat positions (count()), drafts; each part starting
+        # 16-byte aligned whatever R is (Triton compiles a kernel per pointer alignment). In steady
+        # decoding it repeats the last step's, whose device copy is reused.
         a = R + (R & 1)
-        idx = to_device(np.concatenate([np.asarray(rows, np.int64), np.zeros(a - R, np.int64), slots, extra]), dev)
-        rows_d, slots_d = idx[:R], idx[a : a + R]
+        pad = np.zeros(a - R, np.int64)
+        host = np.concatenate([np.asarray(rows, np.int64), pad, slots, pad, slots * V, pad, extra])
+        if self._upload is not None and np.array_equal(self._upload[0], host):
+            idx = self._upload[1]
+        else:
+            idx = to_device(host, dev)
+            self._upload = (host, idx)
+        rows_d, slots_d, base_d = idx[:R], idx[a : a + R], idx[2 * a : 2 * a + R]
         if len(extra):  # the rows' own tables, each speculating row's counts with the drafts before it
             c = self.counts[slots_d]
-            c.view(-1).index_add_(0, idx[a + R :], torch.ones(len(extra), device=dev))
+            c.view(-1).index_add_(0, idx[3 * a :], torch.ones(len(extra), device=dev))
             self.kernel(logits, rows_d, c, self.prompt[slots_d], torch.arange(R, device=dev), self.params[slots_d])
         else:
             self.kernel(logits, rows_d, self.counts, self.prompt, slots_d, self.params)
-        self._last = None if offsets is not None else (rows_d, slots_d)
+        every = R == logits.shape[0] and rows[0] == 0 and rows[-1] == R - 1  # (rows are ascending)
+        self._last = None if offsets is not None else (None if every else rows_d, base_d, slots)
 
-    def count(self, tokens: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
+    def count(self, tokens: torch.Tensor) -> None:
         """After the sampling that apply() prepared, unless it had drafts: add each row's sampled
         token to its slot's counts, on the device."""
         if self._last is None:
             return
-        rows_d, slots_d = self._last
+        rows_d, base_d, slots = self._last
         self._last = None
-        self.counts.view(-1).index_add_(0, slots_d * self.vocab + tokens[rows_d], torch.ones(len(rows), device=self.device))
-        for i in rows:
-            self.counted[self.slot_of[reqs[i]]] += 1
+        at = base_d + (tokens if rows_d is None else tokens[rows_d])
+        self.counts.view(-1).index_add_(0, at, self._ones[: len(slots)])
+        self.counted[slots] += 1  # (one row per request: no slot twice)
 
     def _slots(self, reqs: list[Request], before: list[int]) -> np.ndarray:
         """Each request's slot, assigned (and filled from the host) where it has none, brought up
@@ -146,6 +158,7 @@ class PenaltyState:
         self.counted = np.concatenate([self.counted, np.zeros(new - old, np.int64)])
         self.owner += [None] * (new - old)
         self.free = list(range(new - 1, old - 1, -1)) + self.free
+        self._ones = torch.ones(new, device=dev)
 
     def _fill(self, fill: dict[int, tuple[Request, int, int]]) -> None:
         """Bring slots up to date from the host in one upload: new slots (counted -1) are reset and

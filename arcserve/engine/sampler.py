@@ -279,7 +279,7 @@ class Sampler:
                 tokens = sampled
 
         if pen_rows:
-            self.penalties.count(tokens, reqs, pen_rows)
+            self.penalties.count(tokens)
         out = SamplerOutput(tokens=tokens, logprob_rows=lp_rows)
         if lp_rows:
             if len(lp_rows) == B:
