@@ -19,7 +19,7 @@ from model_shapes import make_shape_dirs  # noqa: E402
 
 from arcserve import LLM, SamplingParams  # noqa: E402
 from arcserve.engine.request import Request  # noqa: E402
-from arcserve.engine.runner import _scratch_meta  # noqa: E402
+from arcserve.engine.runner import scratch_meta  # noqa: E402
 from arcserve.platform import synchronize  # noqa: E402
 
 
@@ -57,13 +57,13 @@ def main() -> None:
 
     for T, lens in (("prefill 2048", [2048]), ("prefill 32 over 4096 cached", None)):
         if lens:
-            meta_fn = lambda lens=lens: _scratch_meta(lens, 16, dev)  # noqa: E731
+            meta_fn = lambda lens=lens: scratch_meta(lens, 16, dev)  # noqa: E731
             n = sum(lens)
         else:
             n = 32
 
             def meta_fn():
-                meta = _scratch_meta([4128], 16, dev)
+                meta = scratch_meta([4128], 16, dev)
                 qsl = np.array([0, 32])
                 meta.host = {"query_start_loc": qsl, "seq_lens": np.array([4128])}
                 meta.query_start_loc = torch.tensor([0, 32], dtype=torch.int32, device=dev)
@@ -130,7 +130,7 @@ def main() -> None:
     # Device time per kernel of one eager batch-1 decode forward (what a decode graph replays).
     ids = torch.randint(0, 100000, (1,), device=dev)
     pos = torch.tensor([100], device=dev)
-    meta = _scratch_meta([101], 16, dev)
+    meta = scratch_meta([101], 16, dev)
     meta.host = {"query_start_loc": np.array([0, 1]), "seq_lens": np.array([101])}
     meta.query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=dev)
     meta.slot_mapping = meta.slot_mapping[-1:]

@@ -15,6 +15,11 @@ def test_bad_engine_options_name_the_option(bad):
 
 
 def test_kernel_choice(monkeypatch):
+    # Triton first imported under the suite's TRITON_INTERPRET=1: the kernels decorated after it
+    # follow what it read then (imported first below, under 0, it left the later kernel tests of a
+    # run that started with this file calling compiled kernels in the interpreter)
+    import triton  # noqa: F401
+
     cpu = torch.device("cpu")
     assert resolve_kernels("auto", cpu) == "torch"
     with pytest.raises(ValueError, match="kernels must be one of"):
@@ -126,7 +131,7 @@ def test_cpu_default_budget_is_shared_with_the_decode_mirror(llama_dir, monkeypa
     the user is the paged cache's alone, and the mirror maps its pages as it grows. With an 8-bit
     paged cache, both still hold as many tokens."""
     from arcserve.engine import kv_budget
-    from arcserve.engine.runner import kv_cache_bytes_per_block
+    from arcserve.engine.kv_budget import kv_cache_bytes_per_block
 
     def start(budget, **kw):
         monkeypatch.setattr(kv_budget, "CPU_KV_DEFAULT", budget)

@@ -1,15 +1,18 @@
 """How much memory the KV cache gets at startup: the paged cache's block count and, on the CPU with
-the default budget, the decode mirror's share (kernels/cpu_attention.py)."""
+the default budget, the decode mirror's share (kernels/cpu_attention.py); on GPUs after a profile
+step's peak activations (profile_peak_activations)."""
 
 from __future__ import annotations
 
 import logging
 
+import torch
+
 from arcserve.config import EngineArgs
 from arcserve.engine.penalties import PenaltyState
-from arcserve.engine.runner import kv_cache_bytes_per_block, profile_peak_activations
+from arcserve.engine.runner import scratch_meta
 from arcserve.models.decoder import DecoderModel
-from arcserve.platform import memory_info
+from arcserve.platform import empty_cache, memory_allocated, memory_info, reset_peak_memory, synchronize
 
 logger = logging.getLogger("arcserve")
 
@@ -93,3 +96,38 @@ def _gpu_budget(a: EngineArgs, model: DecoderModel, max_model_len: int, max_num_
             "or lower max_num_batched_tokens"
         )
     return budget
+
+
+def kv_cache_bytes_per_block(model: DecoderModel, block_size: int) -> int:
+    cfg = model.cfg
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * model.kv_cache_dtype.itemsize
+
+
+@torch.inference_mode()
+def profile_peak_activations(model: DecoderModel, num_tokens: int, max_model_len: int, max_num_seqs: int,
+                             block_size: int) -> int:  # fmt: skip
+    """Peak bytes of activations of the largest step (num_tokens of prefill, logits and a top-p sort
+    for up to max_num_seqs rows), measured by running it on a scratch KV cache; 0 on CPU."""
+    dev = model.device
+    if dev.type == "cpu":
+        return 0
+    lens = [max_model_len] * (num_tokens // max_model_len) + ([num_tokens % max_model_len] if num_tokens % max_model_len else [])
+    cfg = model.cfg
+    nb = sum(-(-n // block_size) for n in lens)
+    reset_peak_memory(dev)
+    before = memory_allocated(dev)[0]
+    kv = torch.zeros(cfg.num_layers, 2, nb, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=model.kv_cache_dtype,
+                     device=dev)  # fmt: skip
+    kv_bytes = kv.numel() * kv.element_size()
+    meta = scratch_meta(lens, block_size, dev)
+    ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=dev)
+    positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+    hidden = model.forward(ids, positions, meta, [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_layers)])
+    rows = min(max_num_seqs, num_tokens)
+    logits = model.logits(hidden[-rows:])
+    logits.float().softmax(-1).sort(dim=-1, descending=True)[0].cumsum(-1)  # the sampler's largest path
+    synchronize(dev)
+    peak = memory_allocated(dev)[1]
+    del kv, hidden, logits
+    empty_cache(dev)
+    return max(0, peak - before - kv_bytes)

@@ -29,14 +29,10 @@ from arcserve.kernels.reference import AttentionMetadata
 from arcserve.models.decoder import DecoderModel
 from arcserve.outputs import Logprob
 from arcserve.platform import (
-    empty_cache,
     fp8_kv_cache_unsupported,
     graphs_supported,
-    memory_allocated,
     memory_info,
     new_event,
-    reset_peak_memory,
-    synchronize,
     to_device,
     to_host_async,
     wait_event,
@@ -119,12 +115,7 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
     return dtype
 
 
-def kv_cache_bytes_per_block(model: DecoderModel, block_size: int) -> int:
-    cfg = model.cfg
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * model.kv_cache_dtype.itemsize
-
-
-def _scratch_meta(lens: list[int], block_size: int, device: torch.device,
+def scratch_meta(lens: list[int], block_size: int, device: torch.device,
                   q_lens: list[int] | None = None) -> AttentionMetadata:  # fmt: skip
     """Metadata of sequences of the given context lengths over blocks 0, 1, 2, ..., each computing
     its last q_lens[i] positions (default: all of them, fresh prefills), for steps run outside the
@@ -147,36 +138,6 @@ def _scratch_meta(lens: list[int], block_size: int, device: torch.device,
         slot_mapping=torch.from_numpy(slots).to(device),
         host={"query_start_loc": qsl, "seq_lens": seq_lens, "seq_ids": np.arange(len(lens)), "decode_mirror": None},
     )
-
-
-@torch.inference_mode()
-def profile_peak_activations(model: DecoderModel, num_tokens: int, max_model_len: int, max_num_seqs: int,
-                             block_size: int) -> int:  # fmt: skip
-    """Peak bytes of activations of the largest step (num_tokens of prefill, logits and a top-p sort
-    for up to max_num_seqs rows), measured by running it on a scratch KV cache; 0 on CPU."""
-    dev = model.device
-    if dev.type == "cpu":
-        return 0
-    lens = [max_model_len] * (num_tokens // max_model_len) + ([num_tokens % max_model_len] if num_tokens % max_model_len else [])
-    cfg = model.cfg
-    nb = sum(-(-n // block_size) for n in lens)
-    reset_peak_memory(dev)
-    before = memory_allocated(dev)[0]
-    kv = torch.zeros(cfg.num_layers, 2, nb, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=model.kv_cache_dtype,
-                     device=dev)  # fmt: skip
-    kv_bytes = kv.numel() * kv.element_size()
-    meta = _scratch_meta(lens, block_size, dev)
-    ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=dev)
-    positions = torch.cat([torch.arange(n, device=dev) for n in lens])
-    hidden = model.forward(ids, positions, meta, [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_layers)])
-    rows = min(max_num_seqs, num_tokens)
-    logits = model.logits(hidden[-rows:])
-    logits.float().softmax(-1).sort(dim=-1, descending=True)[0].cumsum(-1)  # the sampler's largest path
-    synchronize(dev)
-    peak = memory_allocated(dev)[1]
-    del kv, hidden, logits
-    empty_cache(dev)
-    return max(0, peak - before - kv_bytes)
 
 
 class ModelRunner:
@@ -313,7 +274,7 @@ class ModelRunner:
         if n is None:
             return
         mirror = self.decode_mirror
-        meta = _scratch_meta([n], self.block_size, self.device, q_lens=[1])
+        meta = scratch_meta([n], self.block_size, self.device, q_lens=[1])
         meta.host.update(seq_ids=np.array([-1]), decode_mirror=mirror, kv_cache=self.kv)
         ids = torch.zeros(1, dtype=torch.long, device=self.device)
         positions = torch.tensor([n - 1], device=self.device)
