@@ -75,7 +75,7 @@ class DraftProposer:
                  max_num_batched_tokens: int) -> None:  # fmt: skip
         self.kv = KVCacheManager(num_blocks, args.block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(model, num_blocks, args.block_size, args.seed, max_model_len, args.max_num_seqs)
-        self.runner.prepare(args.enforce_eager, max_num_batched_tokens, "Draft model: ")
+        self.runner.prepare(args.enforce_eager, max_num_batched_tokens, "Draft model: ", sampler=False)
         self.budget = max_num_batched_tokens  # catch-up tokens per step
         self.seqs: dict[int, _DraftSeq] = {}  # by request seq_no
 

@@ -232,11 +232,12 @@ class ModelRunner:
         return ids, to_device(h["positions"], dev), meta
 
     # ---- graphs ---------------------------------------------------------------------------
-    def prepare(self, enforce_eager: bool, max_num_batched_tokens: int, what: str = "") -> None:
+    def prepare(self, enforce_eager: bool, max_num_batched_tokens: int, what: str = "", sampler: bool = True) -> None:
         """At startup: capture the step graphs where the device has them (graphs_possible), else
         compile the CPU's one-token kernels where they apply (warm_up); logs which and how long it
-        took, `what` (e.g. "Draft model: ") in front of each line."""
-        t0 = time.time()
+        took, `what` (e.g. "Draft model: ") in front of each line. Then, on GPUs, the sampler's
+        kernels (Sampler.warm_up), unless `sampler` is False (a draft model, which takes argmaxes)."""
+        t0, dev = time.time(), self.device
         if self.graphs_possible(enforce_eager):
             n = self.capture_graphs(max_num_batched_tokens)
             log.info("%sCaptured %d step graphs (decode batches up to %d, mixed steps up to %d tokens) in %.1f s",
@@ -246,6 +247,8 @@ class ModelRunner:
                      "makes later starts faster; --enforce-eager skips them)", what)  # fmt: skip
             self.warm_up()
             log.info("%sCompiled them in %.1f s", what, time.time() - t0)
+        if sampler and dev.type != "cpu" and self.model.ops.name == "triton":  # (Triton compiles at first launch)
+            self.sampler.warm_up(self.model.cfg.vocab_size, self.model.dtype)
 
     def graphs_possible(self, enforce_eager: bool) -> bool:
         """Graphs need a GPU that has them and attention that plans on the device (the Triton

@@ -178,6 +178,25 @@ class Sampler:
         self._bits: torch.Tensor | None = None  # structured outputs' allowed-token words (pinned; reused)
         self.penalties: PenaltyState | None = None  # made at the first penalized row
 
+    @torch.no_grad()  # (not inference_mode: the table must stay an ordinary tensor, updatable outside it)
+    def warm_up(self, vocab: int, dtype: torch.dtype) -> None:
+        """At startup, where the kernels compile (Triton on GPUs): launch the sampling kernel over
+        logits in the model's dtype and in float32 (rows that were edited or filtered) and the
+        penalties' kernel, so that none compiles at the first request that needs it (~30 ms with
+        Triton's disk cache warm, far longer cold, while every running request waits); and make
+        the penalties' table now (its memory is set aside at startup anyway)."""
+        dev = self.device
+        x = torch.randn(2, vocab, device=dev)
+        inv_t, u = torch.ones(2, device=dev), torch.full((2,), 0.5, device=dev)
+        for logits in (x.to(dtype), x):
+            self.sample_from_cdf(logits, inv_t, u)
+        if self.penalties is None:
+            self.penalties = PenaltyState(dev, vocab, self.apply_penalties, self.penalty_slots)
+        pen = self.penalties
+        # rows and slots as separate (16-byte aligned) tensors, as apply() hands them over
+        rows, slots = (torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(2))
+        pen.kernel(x, rows, pen.counts, pen.prompt, slots, pen.params)
+
     def _rows(self, reqs: list[Request], V: int) -> tuple[np.ndarray, list[np.ndarray]]:
         """(flags [B], each row's float parameters [6] without the uniform number): computed once
         per request, at its first sampling, and kept on the request (its params never change)."""

@@ -156,3 +156,24 @@ def test_each_sampling_sees_exactly_its_request_history(llama_dir, engine_kw, mo
     else:
         spec = llm.llm_engine.metrics.spec
         assert spec.num_draft_tokens > spec.num_accepted_tokens > 0
+
+
+@pytest.mark.gpu
+def test_no_sampling_kernel_compiles_after_startup(llama_dir):
+    """On a GPU the sampler's Triton kernels compile at startup (Sampler.warm_up): sampled,
+    filtered and penalized requests then launch only kernels compiled before them (a compile at
+    the first such request, ~30 ms or far more with a cold cache, stalls every running request)."""
+    from arcserve.kernels import triton_sampling as ts
+
+    def compiled() -> int:
+        return sum(len(c[0]) for k in (ts._sample_kernel, ts._penalties_kernel) for c in k.device_caches.values())
+
+    llm = LLM(model=str(llama_dir), dtype="bfloat16", max_model_len=256)
+    assert llm.llm_engine.runner.sampler.penalties is not None  # (the table, made at startup)
+    before = compiled()
+    assert before >= 3  # sampling over bf16 and float32 logits, penalties
+    sps = [SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=1),
+           SamplingParams(temperature=0.8, top_k=5, top_p=0.9, max_tokens=12, ignore_eos=True),
+           params(1.2, 0.2, 0.3), SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, presence_penalty=0.5)]  # fmt: skip
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sps, use_tqdm=False)
+    assert compiled() == before
