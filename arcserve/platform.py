@@ -49,6 +49,17 @@ def host_memory() -> tuple[int, int]:
         return total // 2, total
 
 
+@functools.cache
+def cpu_matrix_tiles(dtype: torch.dtype) -> bool:
+    """Whether the host CPU has matrix tiles for products in this half dtype (AMX: amx_bf16 for
+    bf16, amx_fp16 for fp16), as torch reads the CPU's features."""
+    caps = getattr(torch.cpu, "get_capabilities", None)
+    if caps is not None:
+        return bool(caps().get("amx_bf16" if dtype == torch.bfloat16 else "amx_fp16"))
+    tiles = getattr(torch.cpu, "_is_amx_tile_supported", None)  # (older torch: bf16 tiles only)
+    return dtype == torch.bfloat16 and tiles is not None and bool(tiles())
+
+
 def memory_info(device: torch.device) -> tuple[int, int]:
     """(free, total) bytes on `device`."""
     if device.type == "cuda":

@@ -68,7 +68,7 @@ def main() -> None:
     for name in OPS:
         timed(eng.model.ops, name, name)
     timed(eng.model, "forward", "[forward]")
-    timed(eng.runner, "sampler", "[sampler]")
+    timed(eng.runner, "sample", "[sampler]")  # (ModelRunner.sample: the sampler's call, its copies issued)
     scheduled = []
     timed(eng, "_schedule", "[schedule]")
     schedule = eng._schedule

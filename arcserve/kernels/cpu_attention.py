@@ -11,9 +11,11 @@ The paged cache stays the source of truth (prefix caching, preemption); the mirr
 bounded by `max_bytes` (beyond that, decode falls back to gathering). Prefill chunks use the
 reference path.
 
-On CPUs without native half-precision products (AVX2-only), a bf16/fp16 cache gets a float32 mirror:
-torch emulates half attention there (SDPA at one query over 100 positions, SmolLM2's heads: ~150 us
-in bf16, ~35 us in float32), so the mirror then pays for itself from the first decode step. There,
+On CPUs without half matrix tiles (reference.half_tiles: AVX2-only, or AVX-512-BF16 without AMX),
+a bf16/fp16 cache gets a float32 mirror: torch's half attention is slow there (AVX2-only, SDPA at
+one query over 100 positions, SmolLM2's heads: ~150 us in bf16, ~35 us in float32; AVX-512-BF16
+without AMX, 64 rows: SDPA's GQA form 4x slower in bf16 than the rows form in float32), so the
+mirror then pays for itself from the first decode step. There,
 a step decoding one sequence runs its attention through the compiled kernel get_ops binds as
 `one_row` (cpu_compiled.decode_attention) instead of SDPA, where it applies.
 """
@@ -38,8 +40,9 @@ MIN_MIRROR_CONTEXT = 1024
 
 
 def mirror_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The cache's dtype, or float32 for a half cache where the CPU emulates half products (see above)."""
-    upcast = dtype in (torch.float16, torch.bfloat16) and not reference.native_half_matmul(dtype)
+    """The cache's dtype, or float32 for a half cache where the CPU lacks half matrix tiles
+    (reference.half_tiles; see above)."""
+    upcast = dtype in (torch.float16, torch.bfloat16) and not reference.half_tiles(dtype)
     return torch.float32 if upcast else dtype
 
 
@@ -75,7 +78,7 @@ class DecodeMirror:
 
     @property
     def gqa_form(self) -> bool:
-        """A half mirror (CPUs with native half products) runs SDPA in its GQA form: measured on a
+        """A half mirror (CPUs with half matrix tiles) runs SDPA in its GQA form: measured on a
         2-vCPU AVX-512/AMX Xeon, 64 sequences x ~400 positions of SmolLM2's heads, ~2.1 ms per
         layer against ~2.5-3.2 ms with the query heads as rows; the 64-request benchmark +14%.
         A float32 mirror keeps the rows form, the faster one there."""
@@ -275,6 +278,10 @@ def _plan(meta: AttentionMetadata, block_size: int, mirror: DecodeMirror | None,
             lens_rows = torch.from_numpy(mirror.lens.copy()).to(dev)
             max_len = int(mirror.lens.max())
             mask = reference.decode_mask(lens_rows, max_len, sliding_window)
+            if mask is not None:  # additive, in the mirror's dtype, once a step: SDPA converts a bool
+                # mask in every layer's call (64 rows padded to 450 positions, 30 layers on a 2-vCPU
+                # Zen 4 EPYC: 126 ms with the bool mask, 102 ms with this one; the same bits)
+                mask = torch.zeros(mask.shape, dtype=mirror.dtype, device=dev).masked_fill_(~mask, float("-inf"))
             tok = qsl[dec][order]
             _, kvh, cap, _ = mirror.k.shape[1:]
             # flat offset of (row, head, the row's new position) in a layer's [rows, kvh, cap, hd]

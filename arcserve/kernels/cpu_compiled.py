@@ -55,12 +55,14 @@ _failed: list[str] = []  # the first compile error; non-empty turns the compiled
 
 
 @functools.cache
-def _emulated(dtype: torch.dtype) -> bool:
-    return dtype in (torch.bfloat16, torch.float16) and not reference.native_half_matmul(dtype)
+def _applies(dtype: torch.dtype) -> bool:
+    """Whether half models in `dtype` take the compiled one-token steps here: on CPUs without half
+    matrix tiles (reference.half_tiles), with or without native half products."""
+    return dtype in (torch.bfloat16, torch.float16) and not reference.half_tiles(dtype)
 
 
 def _one_token(x: torch.Tensor) -> bool:
-    return x.shape[0] == 1 and not _failed and _emulated(x.dtype)
+    return x.shape[0] == 1 and not _failed and _applies(x.dtype)
 
 
 def _run(fn: Callable, args: tuple, **static):
@@ -166,17 +168,22 @@ def _gemv(x: torch.Tensor, rows16: torch.Tensor, *bias: torch.Tensor) -> torch.T
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | EmulatedHalfWeight:
-    """reference.pack_linear_weight, plus the rows16 layout of emulated half weights for one-token
-    products (while the host can spare the memory: reference.host_can_spare)."""
+    """reference.pack_linear_weight, plus the rows16 layout of half weights for one-token products
+    where they run compiled (_applies; while the host can spare the memory:
+    reference.host_can_spare). On a CPU with native half products, oneDNN's packed tensor serves
+    every other row count (EmulatedHalfWeight with `half` None)."""
     packed = reference.pack_linear_weight(weight)
-    if not isinstance(packed, EmulatedHalfWeight) or packed.batched is None:
+    if weight.device.type != "cpu" or not _applies(weight.dtype):
         return packed
-    n, k = packed.half.shape
+    native = not isinstance(packed, EmulatedHalfWeight)
+    if not native and packed.batched is None:
+        return packed
+    n, k = weight.shape
     tile = next((t for t in TILES if n % t == 0), None)
-    if tile is None or not reference.host_can_spare(2 * packed.half.numel()):
+    if tile is None or not reference.host_can_spare(2 * weight.numel()):
         return packed
-    rows16 = packed.half.view(n // tile, tile, k).transpose(1, 2).contiguous()
-    return EmulatedHalfWeight(packed.half, packed.batched, rows16)
+    rows16 = weight.contiguous().view(n // tile, tile, k).transpose(1, 2).contiguous()
+    return EmulatedHalfWeight(None, packed, rows16) if native else EmulatedHalfWeight(packed.half, packed.batched, rows16)
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -376,7 +383,7 @@ def warm_up_length(dtype: torch.dtype, max_model_len: int) -> int | None:
     decoding request of a process waited for them (measured on a 2-vCPU AVX2 EPYC, SmolLM2-135M:
     13-36 s, and 5-13 s more at each longer context bucket of the kernels before they took any
     length; docs/BENCHMARKS.md, session 28)."""
-    if _failed or not _emulated(dtype):
+    if _failed or not _applies(dtype):
         return None
     return min(SPAN_STEP, max_model_len)
 
@@ -387,6 +394,6 @@ def decode_attention(K: torch.Tensor, V: torch.Tensor, length: int, dtype: torch
     KV buffers K, V (cpu_attention.DecodeMirror's), queries in `dtype`: the step's attention
     (OneRowAttention), decided here once per step, in place of SDPA. None where it does not apply
     (the caller runs SDPA): not a half model on a CPU that emulates half products."""
-    if _failed or not _emulated(dtype) or K.dtype != torch.float32:
+    if _failed or not _applies(dtype) or K.dtype != torch.float32:
         return None
     return OneRowAttention(K, V, length, scale)

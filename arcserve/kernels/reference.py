@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from arcserve.platform import host_memory
+from arcserve.platform import cpu_matrix_tiles, host_memory
 
 log = logging.getLogger("arcserve")
 
@@ -35,6 +35,17 @@ def native_half_matmul(dtype: torch.dtype) -> bool:
     return torch.ops.mkldnn._is_mkldnn_fp16_supported()
 
 
+def half_tiles(dtype: torch.dtype) -> bool:
+    """Whether this CPU has matrix tiles for the half dtype (AMX) besides native half products.
+    There torch's own half kernels are fast for every part of a decode step: a half model keeps a
+    half decode mirror (SDPA's GQA form) and eager one-token steps. Elsewhere a half model's decode
+    attention reads a float32 mirror and its one-token steps run compiled (cpu_compiled.py):
+    measured on a 2-vCPU AMD EPYC with AVX-512-BF16 and no AMX (Zen 4; docs/BENCHMARKS.md, session
+    36), SDPA's GQA form over a bf16 mirror ran 4x slower than over float32 rows, and a lone
+    sequence decoded 2.4x faster compiled (11.3 against 26.7 ms a token for SmolLM2-135M)."""
+    return dtype in (torch.bfloat16, torch.float16) and native_half_matmul(dtype) and cpu_matrix_tiles(dtype)
+
+
 @dataclass(frozen=True)
 class EmulatedHalfWeight:
     """bf16/fp16 weights on a CPU without native half-precision products (AVX2-only, e.g. AMD
@@ -47,9 +58,12 @@ class EmulatedHalfWeight:
     Both compute x @ W.T with float32 accumulation, rounded once to the activations' dtype.
     `batched` is None when memory was short for the copy: every product then takes `half`.
     `rows16`, when set, is `half` in the layout of cpu_compiled's one-token product (this module
-    does not use it)."""
+    does not use it).
+    On a CPU with native half products but no matrix tiles (half_tiles), cpu_compiled keeps a half
+    model's weights as this too: `half` None, `batched` oneDNN's packed half tensor (every row count
+    but the compiled one-token steps'), and `rows16`."""
 
-    half: torch.Tensor
+    half: torch.Tensor | None
     batched: torch.Tensor | None
     rows16: torch.Tensor | None = None
 
@@ -91,6 +105,8 @@ def linear(
 ) -> torch.Tensor:
     """x @ weight.T (+ bias), for plain or prepared (pack_linear_weight) weights."""
     if isinstance(weight, EmulatedHalfWeight):
+        if weight.half is None:  # native half products (oneDNN's packed half tensor) for every row count
+            return linear(x, weight.batched, bias)
         if weight.batched is None or (x.dim() == 2 and x.shape[0] == 1):
             return F.linear(x, weight.half, bias)
         y = linear(x.float(), weight.batched, None if bias is None else bias.float())

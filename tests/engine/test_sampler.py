@@ -398,22 +398,25 @@ def test_warm_up_leaves_no_trace(kernels):
     """Sampler.warm_up (at startup on GPUs) launches the sampling and penalty kernels and makes the
     penalties' table: afterwards the table is all zeros, every slot free, and penalized and plain
     sampling draw exactly what a sampler without the warm-up draws."""
+    from conftest import DEVICE
+
     from arcserve.kernels import get_ops
 
-    ops = get_ops(kernels, CPU)
+    dev = DEVICE if kernels == "triton" else CPU  # (Triton: a GPU's compiled kernels where there is one)
+    ops = get_ops(kernels, dev)
     V = 300
     g = torch.Generator().manual_seed(5)
-    logits = torch.randn(4, V, generator=g)
+    logits = torch.randn(4, V, generator=g).to(dev)
     pen = SamplingParams(temperature=0.9, repetition_penalty=1.4, frequency_penalty=0.3, presence_penalty=0.6)
     reqs = [make_req(pen, prompt=[3, 9, 9], output=[7, 7, 2], seed=1), make_req(SamplingParams(temperature=0.7), seed=2),
             make_req(pen, prompt=[7], output=[3], seed=3), make_req(SamplingParams(temperature=0, presence_penalty=2.0),
                                                                      prompt=[1], output=[int(logits[3].argmax())])]  # fmt: skip
-    warm = Sampler(CPU, 0, ops.sample_from_cdf, ops.apply_penalties, penalty_slots=4)
+    warm = Sampler(dev, 0, ops.sample_from_cdf, ops.apply_penalties, penalty_slots=4)
     warm.warm_up(V, torch.bfloat16)
     t = warm.penalties
     assert t is not None and len(t.owner) == 4 and sorted(t.free) == [0, 1, 2, 3]
     assert not t.counts.any() and not t.prompt.any() and not t.params.any() and not t.counted.any()
-    cold = Sampler(CPU, 0, ops.sample_from_cdf, ops.apply_penalties, penalty_slots=4)
+    cold = Sampler(dev, 0, ops.sample_from_cdf, ops.apply_penalties, penalty_slots=4)
     got, want = warm(logits.clone(), reqs).tokens.tolist(), cold(logits.clone(), reqs).tokens.tolist()
     assert got == want and got[3] != int(logits[3].argmax())  # (the last row's penalty moved it)
 

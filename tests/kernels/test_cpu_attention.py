@@ -37,11 +37,14 @@ def make_meta(batch, block_tables, mirror):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_mirror_dtype_follows_the_cpu(native, monkeypatch):
+@pytest.mark.parametrize("native,tiles", [(True, True), (True, False), (False, False)])
+def test_mirror_dtype_follows_the_cpu(native, tiles, monkeypatch):
     """A half cache keeps a half mirror (used from MIN_MIRROR_CONTEXT) where the CPU multiplies halves
-    natively, else a float32 one used at any context; a float32 cache always mirrors in float32."""
+    natively and has matrix tiles for them (AMX), else a float32 one used at any context (AVX-512-BF16
+    without AMX, AVX2-only); a float32 cache always mirrors in float32."""
     monkeypatch.setattr(reference, "native_half_matmul", lambda dtype: native)
+    monkeypatch.setattr(reference, "cpu_matrix_tiles", lambda dtype: tiles)
+    native = native and tiles  # (what decides below)
     half = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.bfloat16, torch.device("cpu"), 1 << 20)
     assert half.dtype == (torch.bfloat16 if native else torch.float32)
     assert half.min_context == (cpu_attention.MIN_MIRROR_CONTEXT if native else 0)
@@ -69,8 +72,8 @@ def test_mirror_dtype_follows_the_cpu(native, monkeypatch):
 def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dtype, native, sizing, prefault,
                                                          cache, monkeypatch):  # fmt: skip
     """bf16 against the reference in float32 on the same bf16 values: native=False, the float32
-    mirror of a CPU without native half products (outputs differ by their rounding to bf16 only);
-    native=True, a bf16 mirror through SDPA's GQA form. sizing: the engine's max_rows and max_len
+    mirror of a CPU without half matrix tiles (outputs differ by their rounding to bf16 only);
+    native=True, a bf16 mirror through SDPA's GQA form (a CPU with them). sizing: the engine's max_rows and max_len
     hints, with an 8-token growth grain ("grain": the grain without the hints, so rows widen while
     several are held and each layer's rows move within the arena); the small budgets hold only a
     few rows or tokens, so growths shrink one dimension to widen the other and some steps fall back. prefault: the arena
@@ -79,7 +82,7 @@ def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dt
     (kv_cache_dtype fp8*): the mirror holds the model dtype, and what it appends is rounded as the
     paged cache rounds it."""
     monkeypatch.setattr(cpu_attention, "MIN_MIRROR_CONTEXT", 1)  # tiny contexts: always mirror
-    monkeypatch.setattr(reference, "native_half_matmul", lambda dtype: native)
+    monkeypatch.setattr(reference, "half_tiles", lambda dtype: native)
     if sizing:
         monkeypatch.setattr(cpu_attention, "_GROW", 8)
     rng = random.Random(seed)

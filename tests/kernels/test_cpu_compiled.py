@@ -17,17 +17,18 @@ from arcserve import LLM, SamplingParams
 from arcserve.kernels import blocks, cpu_attention, cpu_compiled, cpu_layer, get_ops, reference
 
 HAVE_CXX = shutil.which("g++") is not None  # what inductor compiles its CPU kernels with
+NATIVE_BF16 = reference.native_half_matmul(torch.bfloat16)  # this CPU's (read before the fixture patches it)
 
 
 @pytest.fixture(autouse=True)
 def emulated_half(monkeypatch):
     """Every test runs as on an AVX2-only CPU (no native half products), with a clean failure state."""
     monkeypatch.setattr(reference, "native_half_matmul", lambda dtype: False)
-    cpu_compiled._emulated.cache_clear()
+    cpu_compiled._applies.cache_clear()
     failed = list(cpu_compiled._failed)
     cpu_compiled._failed.clear()
     yield
-    cpu_compiled._emulated.cache_clear()
+    cpu_compiled._applies.cache_clear()
     cpu_compiled._failed[:] = failed
 
 
@@ -147,17 +148,27 @@ def test_enforce_eager_keeps_the_eager_ops():
     assert get_ops("torch", torch.device("cpu"), compiled=False).decoder_layer.func is blocks.decoder_layer
 
 
-def test_engine_decodes_the_same_tokens_compiled_and_eager(llama_dir, monkeypatch):
-    """A bf16 model decoding one request: the compiled one-token path gives the eager path's tokens."""
+@pytest.mark.parametrize("native", [False, True] if NATIVE_BF16 else [False])
+def test_engine_decodes_the_same_tokens_compiled_and_eager(llama_dir, monkeypatch, native):
+    """A bf16 model decoding one request: the compiled one-token path gives the eager path's tokens.
+    native: as on a CPU with native bf16 products but no matrix tiles (AVX-512-BF16 without AMX,
+    e.g. AMD Zen 4; where this CPU has the products): oneDNN's packed bf16 weights serve every other
+    row count, beside the rows16 copies; else the float32 copies of an AVX2-only CPU."""
     monkeypatch.setattr(cpu_compiled, "_compiled", {})  # (not the kernels earlier tests compiled)
+    if native:
+        monkeypatch.setattr(reference, "native_half_matmul", lambda dtype: True)
+        monkeypatch.setattr(reference, "cpu_matrix_tiles", lambda dtype: False)
+        cpu_compiled._applies.cache_clear()
     prompt = {"prompt_token_ids": [5, 17, 33, 101, 7, 64, 250, 12, 3]}
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     eager = LLM(str(llama_dir), dtype="bfloat16", max_model_len=128, enforce_eager=True)
     want = eager.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
     assert not cpu_compiled._compiled  # (enforce_eager: nothing compiled)
     fast = LLM(str(llama_dir), dtype="bfloat16", max_model_len=128)
-    assert isinstance(fast.llm_engine.model.layers[0].gate_up, reference.EmulatedHalfWeight)
-    assert fast.llm_engine.model.layers[0].gate_up.rows16 is not None
+    gate_up = fast.llm_engine.model.layers[0].gate_up
+    assert isinstance(gate_up, reference.EmulatedHalfWeight) and gate_up.rows16 is not None
+    assert (gate_up.half is None) == native and gate_up.batched.dtype == (torch.bfloat16 if native else torch.float32)
+    assert fast.llm_engine.runner.decode_mirror.dtype == torch.float32
     whole = []  # layers the request's steps ran as one compiled call (not the startup warm-up's)
     run = cpu_layer._run
     monkeypatch.setattr(cpu_layer, "_run", lambda *args: whole.append(run(*args)) or whole[-1])
