@@ -263,8 +263,8 @@ class ModelRunner:
         return self.graphs.capture()
 
     def warm_up_length(self) -> int | None:
-        """The context length of the one-token step warm_up runs (ops.warm_up_length: on CPUs that
-        emulate half products; None elsewhere)."""
+        """The context length of the one-token step warm_up runs (ops.warm_up_length: half models on
+        CPUs without half matrix tiles; None elsewhere)."""
         return self.model.ops.warm_up_length(self.model.dtype, self.max_model_len)
 
     @torch.inference_mode()

@@ -1,5 +1,8 @@
 """One-token (batch-1 decode) CPU kernels compiled by PyTorch's inductor, for bf16/fp16 models on
-CPUs without native half-precision products (AVX2-only; see reference.EmulatedHalfWeight).
+CPUs without half matrix tiles (reference.half_tiles): AVX2-only CPUs, where torch emulates half
+products (reference.EmulatedHalfWeight), and AVX-512-BF16 CPUs without AMX (e.g. AMD Zen 4), where a
+lone sequence decoded 2.4x faster through these kernels than through oneDNN's bf16 products and
+the eager ops (docs/BENCHMARKS.md, session 36).
 
 There, a one-token decode step is ~120 matrix-vector products plus ~1,000 small ops, and torch
 runs both through generic paths (measured on a 2-vCPU AVX2 AMD EPYC, docs/BENCHMARKS.md):
@@ -393,7 +396,7 @@ def decode_attention(K: torch.Tensor, V: torch.Tensor, length: int, dtype: torch
     """For a step decoding one sequence over the first `length` positions of row 0 of the float32
     KV buffers K, V (cpu_attention.DecodeMirror's), queries in `dtype`: the step's attention
     (OneRowAttention), decided here once per step, in place of SDPA. None where it does not apply
-    (the caller runs SDPA): not a half model on a CPU that emulates half products."""
+    (the caller runs SDPA): not a half model on a CPU without half matrix tiles (_applies)."""
     if _failed or not _applies(dtype) or K.dtype != torch.float32:
         return None
     return OneRowAttention(K, V, length, scale)

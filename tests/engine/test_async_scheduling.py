@@ -232,7 +232,10 @@ def test_reused_id_while_its_step_is_in_flight(llama_dir, new_plp):
     else:
         assert len(got.prompt_logprobs) == len(new) and got.prompt_logprobs[0] is None
         assert all(t in e for e, t in zip(got.prompt_logprobs[1:], new[1:]))  # the new prompt's tokens
-        assert summary(got)[1] == summary(want)[1]
+        # (the same entries; values to float32 rounding: 8-token chunks against the whole prompt sum
+        # in another order, and on an AVX-512 EPYC one entry's fourth decimal differed)
+        for g, w in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+            assert g.keys() == w.keys() and all(abs(g[t].logprob - w[t].logprob) < 1e-3 for t in g)
     assert engine.scheduler.kv.usage() == 0.0
 
 
