@@ -596,7 +596,7 @@ def test_a_failing_step_fails_only_its_requests(llama_dir, monkeypatch):
     engine.add_request("b", "Paris", greedy(5))
     real = engine.runner.launch
 
-    def broken(out):
+    def broken(*args, **kw):  # (overlapped steps, the GPU default, pass defer_history too)
         raise RuntimeError("injected")
 
     monkeypatch.setattr(engine.runner, "launch", broken)
