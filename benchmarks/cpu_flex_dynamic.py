@@ -8,12 +8,15 @@ layer. cpu_flex_attention.py times the static-shape version.
     python benchmarks/cpu_flex_dynamic.py
 """
 
+import functools
 import time
 
+import cpu_ops
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+timed = functools.partial(cpu_ops.timed, n=5)  # ms a call
 BS = 128  # KV positions per block
 KVH, G, D = 3, 3, 64  # SmolLM2: KV heads, queries per KV head, head dim
 
@@ -33,14 +36,6 @@ def block_mask(lens: torch.Tensor, width: int) -> BlockMask:
         full.view(n, 1, 1).expand(n, KVH, 1).contiguous(), idx,
         BLOCK_SIZE=(BS, BS), mask_mod=mask_mod, seq_lengths=(G, width),
     )  # fmt: skip
-
-
-def timed(fn, k: int = 5) -> float:
-    fn()
-    t = time.perf_counter()
-    for _ in range(k):
-        fn()
-    return (time.perf_counter() - t) / k * 1e3
 
 
 def main() -> None:

@@ -18,23 +18,15 @@ Memory bandwidth first (a float32 sum and a copy over 256 MB), then the part ask
 from __future__ import annotations
 
 import argparse
-import sys
-import time
-from pathlib import Path
+import functools
 
+import cpu_ops
 import torch
 import torch.nn.functional as F
 
 LAYERS = 30
+timed = functools.partial(cpu_ops.timed, n=5)  # ms a call
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
-
-
-def timed(fn, n: int = 5) -> float:
-    fn()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t) / n * 1e3
 
 
 def bandwidth() -> None:
@@ -105,8 +97,7 @@ def padded(lens: list[int], groups: int) -> int:
 
 
 def lengths(model: str) -> None:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from offline_throughput import workload
+    from offline_throughput import workload  # (this script's folder is on the path, as for cpu_ops)
 
     from arcserve import LLM, SamplingParams
     from arcserve.kernels import cpu_attention

@@ -176,7 +176,7 @@ class Sampler:
         self.apply_penalties = apply_penalties
         self.penalty_slots = penalty_slots
         self._bits: torch.Tensor | None = None  # structured outputs' allowed-token words (pinned; reused)
-        self.penalties: PenaltyState | None = None  # made at the first penalized row
+        self.penalties: PenaltyState | None = None  # made at warm_up or the first penalized row
 
     @torch.no_grad()  # (not inference_mode: the table must stay an ordinary tensor, updatable outside it)
     def warm_up(self, vocab: int, dtype: torch.dtype) -> None:
@@ -190,12 +190,15 @@ class Sampler:
         inv_t, u = torch.ones(2, device=dev), torch.full((2,), 0.5, device=dev)
         for logits in (x.to(dtype), x):
             self.sample_from_cdf(logits, inv_t, u)
-        if self.penalties is None:
-            self.penalties = PenaltyState(dev, vocab, self.apply_penalties, self.penalty_slots)
-        pen = self.penalties
+        pen = self._penalty_state(vocab)
         # rows and slots as separate (16-byte aligned) tensors, as apply() hands them over
         rows, slots = (torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(2))
         pen.kernel(x, rows, pen.counts, pen.prompt, slots, pen.params)
+
+    def _penalty_state(self, vocab: int) -> PenaltyState:
+        if self.penalties is None:
+            self.penalties = PenaltyState(self.device, vocab, self.apply_penalties, self.penalty_slots)
+        return self.penalties
 
     def _rows(self, reqs: list[Request], V: int) -> tuple[np.ndarray, list[np.ndarray]]:
         """(flags [B], each row's float parameters [6] without the uniform number): computed once
@@ -267,9 +270,7 @@ class Sampler:
             if len(ids):
                 flat_logits.index_fill_(0, to_device(rows * V + ids, dev), float("-inf"))
         if pen_rows:
-            if self.penalties is None:
-                self.penalties = PenaltyState(dev, V, self.apply_penalties, self.penalty_slots)
-            self.penalties.apply(logits, reqs, pen_rows, [_before(reqs, sampled, i) for i in pen_rows], offsets)
+            self._penalty_state(V).apply(logits, reqs, pen_rows, [_before(reqs, sampled, i) for i in pen_rows], offsets)
         if bad_rows:
             banned = [banned_by_bad_words(reqs[i], offsets[i] if offsets is not None else 0, V) for i in bad_rows]
             rows, ids = flat(bad_rows, banned)

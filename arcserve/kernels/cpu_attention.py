@@ -277,11 +277,7 @@ def _plan(meta: AttentionMetadata, block_size: int, mirror: DecodeMirror | None,
             dev = meta.block_tables.device
             lens_rows = torch.from_numpy(mirror.lens.copy()).to(dev)
             max_len = int(mirror.lens.max())
-            mask = reference.decode_mask(lens_rows, max_len, sliding_window)
-            if mask is not None:  # additive, in the mirror's dtype, once a step: SDPA converts a bool
-                # mask in every layer's call (64 rows padded to 450 positions, 30 layers on a 2-vCPU
-                # Zen 4 EPYC: 126 ms with the bool mask, 102 ms with this one; the same bits)
-                mask = torch.zeros(mask.shape, dtype=mirror.dtype, device=dev).masked_fill_(~mask, float("-inf"))
+            mask = reference.decode_mask(lens_rows, max_len, sliding_window, mirror.dtype)
             tok = qsl[dec][order]
             _, kvh, cap, _ = mirror.k.shape[1:]
             # flat offset of (row, head, the row's new position) in a layer's [rows, kvh, cap, hd]

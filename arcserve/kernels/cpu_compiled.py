@@ -41,6 +41,7 @@ compiled path turns itself off with a warning and the eager ops run. `enforce_ea
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -186,7 +187,7 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | EmulatedHalfWeigh
     if tile is None or not reference.host_can_spare(2 * weight.numel()):
         return packed
     rows16 = weight.contiguous().view(n // tile, tile, k).transpose(1, 2).contiguous()
-    return EmulatedHalfWeight(None, packed, rows16) if native else EmulatedHalfWeight(packed.half, packed.batched, rows16)
+    return EmulatedHalfWeight(None, packed, rows16) if native else dataclasses.replace(packed, rows16=rows16)
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -278,19 +278,22 @@ class AttentionMetadata:
     cache: dict = field(default_factory=dict)
 
 
-def decode_mask(lens: torch.Tensor, width: int, sliding_window: int | None) -> torch.Tensor | None:
-    """[B, width] which cached positions each decoding sequence (context length `lens`) reads;
-    None when every position is read (one sequence, whole width, no window)."""
+def decode_mask(lens: torch.Tensor, width: int, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """[B, 1, 1, width] SDPA mask of the cached positions each decoding sequence (context length
+    `lens`) reads: additive, in `dtype` (0 there, -inf elsewhere), made once a step for every layer
+    (SDPA converts a bool mask in each call: 64 rows of up to 450 positions, 30 layers on a 2-vCPU
+    Zen 4 EPYC, 144 ms with a bool mask, 109 ms with this one; the same bits). None when every
+    position is read (one sequence, whole width, no window)."""
     if len(lens) == 1 and int(lens[0]) == width and sliding_window is None:
         return None
     pos = torch.arange(width, device=lens.device)[None, :]
-    mask = pos < lens[:, None]
+    keep = pos < lens[:, None]
     if sliding_window is not None:
-        mask &= pos > lens[:, None] - 1 - sliding_window
-    return mask[:, None, None, :]
+        keep &= pos > lens[:, None] - 1 - sliding_window
+    return torch.zeros(keep.shape, dtype=dtype, device=lens.device).masked_fill_(~keep, float("-inf"))[:, None, None, :]
 
 
-def _plan(meta: AttentionMetadata, block_size: int, sliding_window: int | None) -> dict:
+def _plan(meta: AttentionMetadata, block_size: int, sliding_window: int | None, dtype: torch.dtype) -> dict:
     """How the torch backend reads the cache this step, computed once and reused by every layer.
     Decode tokens (one query each) are batched into one call over gathered blocks; each prefill
     chunk gets its own call, and a chunk with no cached context attends to its own K/V directly."""
@@ -307,7 +310,7 @@ def _plan(meta: AttentionMetadata, block_size: int, sliding_window: int | None) 
         max_len = int(lens.max())
         nblk = -(-max_len // block_size)
         idx = torch.from_numpy(dec).to(dev)
-        mask = decode_mask(torch.from_numpy(lens).to(dev), nblk * block_size, sliding_window)
+        mask = decode_mask(torch.from_numpy(lens).to(dev), nblk * block_size, sliding_window, dtype)
         tok = torch.from_numpy(qsl[dec]).to(dev)  # decode sequences' token rows in the batch
         plan["decode"] = (tok, bt[idx, :nblk].long(), mask)
     for i in (q_lens > 1).nonzero()[0]:
@@ -347,7 +350,7 @@ def paged_attention(
     (the cache already holds this step's K/V too) and, for fresh prefill chunks, k/v directly.
     q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]. Returns [T, heads, head_dim].
     skip_decode leaves the decode tokens' rows unwritten (a caller that computes them itself)."""
-    plan = _plan(meta, k_cache.shape[1], sliding_window)
+    plan = _plan(meta, k_cache.shape[1], sliding_window, q.dtype)
     gqa = q.shape[1] != k_cache.shape[2]
     decode = None if skip_decode else plan["decode"]
     if decode is not None:
