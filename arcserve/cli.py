@@ -59,7 +59,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto = Triton on GPUs, PyTorch on CPU")  # fmt: skip
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="GPU: share of device memory for weights, activations and the KV cache")  # fmt: skip
-    _bool_flag(p, "enforce-eager", False, "GPU: run every step eagerly, without captured graphs; CPU: no compiled one-token kernels")
+    _bool_flag(p, "enforce-eager", False, "GPU: run every step eagerly, without captured graphs; CPU: no compiled decode kernels")
     p.add_argument("--enable-chunked-prefill", action="store_true", dest="chunked_prefill_flag",
                    help="vLLM's; arcserve always splits long prompts into chunks within --max-num-batched-tokens")  # fmt: skip
     _bool_flag(p, "async-scheduling", None,

@@ -80,7 +80,7 @@ class EngineArgs:
     # generation_config.json keys over the file's (vLLM's; JSON text too): {"temperature": 0.5, ...}
     override_generation_config: Any = None
     gpu_memory_utilization: float = 0.9  # GPU: share of device memory for weights, activations, KV cache
-    enforce_eager: bool = False  # GPU: no step graphs; CPU: no compiled one-token kernels
+    enforce_eager: bool = False  # GPU: no step graphs; CPU: no compiled decode kernels
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights from config.json; benchmarks)
     async_scheduling: bool | None = None  # overlapped steps; None = on for GPUs, off on the CPU
     # speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": k,

@@ -234,7 +234,7 @@ class ModelRunner:
     # ---- graphs ---------------------------------------------------------------------------
     def prepare(self, enforce_eager: bool, max_num_batched_tokens: int, what: str = "", sampler: bool = True) -> None:
         """At startup: capture the step graphs where the device has them (graphs_possible), else
-        compile the CPU's one-token kernels where they apply (warm_up); logs which and how long it
+        compile the CPU's decode kernels where they apply (warm_up); logs which and how long it
         took, `what` (e.g. "Draft model: ") in front of each line. Then, on GPUs, the sampler's
         kernels (Sampler.warm_up), unless `sampler` is False (a draft model, which takes argmaxes)."""
         t0, dev = time.time(), self.device
@@ -243,7 +243,7 @@ class ModelRunner:
             log.info("%sCaptured %d step graphs (decode batches up to %d, mixed steps up to %d tokens) in %.1f s",
                      what, n, self.max_num_seqs, max_num_batched_tokens, time.time() - t0)  # fmt: skip
         elif self.warm_up_length() is not None:
-            log.info("%sCompiling the CPU's one-token kernels (once per process; inductor's disk cache "
+            log.info("%sCompiling the CPU's decode kernels (once per process; inductor's disk cache "
                      "makes later starts faster; --enforce-eager skips them)", what)  # fmt: skip
             self.warm_up()
             log.info("%sCompiled them in %.1f s", what, time.time() - t0)
@@ -269,26 +269,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Run a one-token step at warm_up_length, so that its kernels compile now rather than while
-        a request waits. At startup only (it reads blocks 0, 1, ... as a sequence's context, which
-        no request holds yet); what the step writes into the paged cache and the decode mirror is
-        zeroed after, and the mirror's row dropped."""
+        """Run a one-token step at warm_up_length, then a step decoding two sequences there (the
+        decode attention over many mirror rows, cpu_rows_attention.py), so that their kernels
+        compile now rather than while a request waits. At startup only (it reads blocks 0, 1, ...
+        as the sequences' context, which no request holds yet); what the steps write into the paged
+        cache and the decode mirror is zeroed after, and the mirror's rows dropped."""
         n = self.warm_up_length()
         if n is None:
             return
-        mirror = self.decode_mirror
-        meta = scratch_meta([n], self.block_size, self.device, q_lens=[1])
-        meta.host.update(seq_ids=np.array([-1]), decode_mirror=mirror, kv_cache=self.kv)
-        ids = torch.zeros(1, dtype=torch.long, device=self.device)
-        positions = torch.tensor([n - 1], device=self.device)
-        self._logits(self.model.forward(ids, positions, meta, self.kv_caches), None, 1)
-        block, offset = divmod(int(meta.slot_mapping[0]), self.block_size)
-        self.kv[:, :, block, offset] = 0
-        if mirror is not None:
-            if mirror.k is not None:
-                mirror.k[:, 0, :, :n] = 0
-                mirror.v[:, 0, :, :n] = 0
-            mirror.reset()
+        for rows in (1, 2) if self.max_num_seqs > 1 else (1,):
+            mirror = self.decode_mirror
+            meta = scratch_meta([n] * rows, self.block_size, self.device, q_lens=[1] * rows)
+            meta.host.update(seq_ids=-1 - np.arange(rows), decode_mirror=mirror, kv_cache=self.kv)
+            ids = torch.zeros(rows, dtype=torch.long, device=self.device)
+            positions = torch.full((rows,), n - 1, device=self.device)
+            self._logits(self.model.forward(ids, positions, meta, self.kv_caches), None, rows)
+            for slot in meta.slot_mapping.tolist():
+                block, offset = divmod(slot, self.block_size)
+                self.kv[:, :, block, offset] = 0
+            if mirror is not None:
+                if mirror.k is not None:
+                    mirror.k[:, :rows, :, :n] = 0
+                    mirror.v[:, :rows, :, :n] = 0
+                mirror.reset()
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()

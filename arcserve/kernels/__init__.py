@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
-from arcserve.kernels import blocks, cpu_attention, cpu_compiled, cpu_layer, reference
+from arcserve.kernels import blocks, cpu_attention, cpu_compiled, cpu_layer, cpu_rows_attention, reference
 from arcserve.platform import triton_available
 
 KERNEL_CHOICES = ("auto", "torch", "triton")
@@ -54,7 +54,8 @@ def get_ops(kernels: str, device: torch.device, compiled: bool = True) -> Simple
     composed = dict(pre_attention=blocks.pre_attention, post_attention=blocks.post_attention,
                     decoder_layer=blocks.decoder_layer)  # fmt: skip
     if cpu and name == "torch" and compiled:
-        # one-token steps of half models on CPUs without half matrix tiles (AMX): compiled kernels
+        # one-token steps of half models on CPUs without half matrix tiles (AMX), and their decode
+        # attention over many rows: compiled kernels
         ops.update(
             linear=cpu_compiled.linear,
             pack_linear_weight=cpu_compiled.pack_linear_weight,
@@ -63,7 +64,8 @@ def get_ops(kernels: str, device: torch.device, compiled: bool = True) -> Simple
             silu_mul_linear=cpu_compiled.silu_mul_linear,
             qkv_prepare=cpu_compiled.qkv_prepare,
             warm_up_length=cpu_compiled.warm_up_length,
-            paged_attention=functools.partial(cpu_attention.paged_attention, one_row=cpu_compiled.decode_attention),
+            paged_attention=functools.partial(cpu_attention.paged_attention, one_row=cpu_compiled.decode_attention,
+                                              rows=cpu_rows_attention.decode_attention),
         )
         composed = dict(pre_attention=cpu_compiled.pre_attention, post_attention=cpu_compiled.post_attention,
                         decoder_layer=functools.partial(cpu_layer.decoder_layer, one_row=cpu_compiled.decode_attention))  # fmt: skip

@@ -15,9 +15,10 @@ On CPUs without half matrix tiles (reference.half_tiles: AVX2-only, or AVX-512-B
 a bf16/fp16 cache gets a float32 mirror: torch's half attention is slow there (AVX2-only, SDPA at
 one query over 100 positions, SmolLM2's heads: ~150 us in bf16, ~35 us in float32; AVX-512-BF16
 without AMX, 64 rows: SDPA's GQA form 4x slower in bf16 than the rows form in float32), so the
-mirror then pays for itself from the first decode step. There,
-a step decoding one sequence runs its attention through the compiled kernel get_ops binds as
-`one_row` (cpu_compiled.decode_attention) instead of SDPA, where it applies.
+mirror then pays for itself from the first decode step. There, a half model's decode attention
+runs through the compiled kernels get_ops binds instead of SDPA, where they apply: `one_row`
+(cpu_compiled.decode_attention) for a step decoding one sequence, `rows`
+(cpu_rows_attention.decode_attention) for more.
 """
 
 from __future__ import annotations
@@ -227,6 +228,10 @@ class DecodeMirror:
         # This step's token of each row: one index_copy_ per buffer at flat (row, head, pos) offsets.
         K.view(-1, hd).index_copy_(0, plan["slots"], k.to(K.dtype).reshape(-1, hd))
         V.view(-1, hd).index_copy_(0, plan["slots"], v.to(V.dtype).reshape(-1, hd))
+        if plan["rows"] is not None:  # many rows, through the step's compiled kernel
+            o = plan["rows"](q.contiguous(), self.layer_index[layer])  # (one layout: one kernel)
+            if o is not None:
+                return o  # (else it does not apply or failed to compile: SDPA below)
         # Rows form: the query heads sharing a KV head ride as its query rows (no mask among them);
         # GQA form: one query row per head, enable_gqa (gqa_form says which).
         gqa = self.gqa_form
@@ -241,13 +246,15 @@ class DecodeMirror:
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: AttentionMetadata, scale: float, sliding_window: int | None = None, layer: int = 0,
-    one_row: Callable | None = None,
+    one_row: Callable | None = None, rows: Callable | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Same contract as reference.paged_attention; decode tokens go through meta's DecodeMirror.
     one_row (get_ops binds cpu_compiled.decode_attention): for a step whose decoding is one row
-    read whole, one_row(K, V, length, dtype, scale) gives the step's attention kernel or None."""
+    read whole, one_row(K, V, length, dtype, scale) gives the step's attention kernel or None.
+    rows (get_ops binds cpu_rows_attention.decode_attention): for a step decoding more rows,
+    rows(K, V, lens, width, dtype, scale, sliding_window) gives the step's kernel or None."""
     mirror: DecodeMirror | None = meta.host.get("decode_mirror")
-    plan = _plan(meta, k_cache.shape[1], mirror, sliding_window, one_row, q.dtype, scale)
+    plan = _plan(meta, k_cache.shape[1], mirror, sliding_window, one_row, q.dtype, scale, rows)
     if plan is None:
         return reference.paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
     if plan["tok"] is None:  # decode-only step, tokens in row order
@@ -259,9 +266,10 @@ def paged_attention(
 
 
 def _plan(meta: AttentionMetadata, block_size: int, mirror: DecodeMirror | None, sliding_window: int | None,
-          one_row: Callable | None, dtype: torch.dtype, scale: float):  # fmt: skip
+          one_row: Callable | None, dtype: torch.dtype, scale: float, many_rows: Callable | None = None):  # fmt: skip
     """Once per step: rows for this step's decoders, in row order, or None to gather instead; and
-    the step's one-row kernel where one_row gives one (the new position's views with it)."""
+    the step's one-row kernel where one_row gives one (the new position's views with it), or its
+    many-rows kernel where many_rows gives one."""
     if "mirror_plan" in meta.cache:
         return meta.cache["mirror_plan"]
     plan = None
@@ -283,11 +291,13 @@ def _plan(meta: AttentionMetadata, block_size: int, mirror: DecodeMirror | None,
             # flat offset of (row, head, the row's new position) in a layer's [rows, kvh, cap, hd]
             slots = (np.arange(len(rows))[:, None] * kvh + np.arange(kvh)[None, :]) * cap + (lens[order] - 1)[:, None]
             in_order = len(dec) == len(seq_lens) and np.array_equal(tok, np.arange(len(tok)))
-            run = None
+            run = many = None
             if one_row is not None and len(rows) == 1 and mask is None:
                 run = one_row(mirror.k, mirror.v, max_len, dtype, scale)
+            elif many_rows is not None and len(rows) > 1:
+                many = many_rows(mirror.k, mirror.v, lens_rows, max_len, dtype, scale, sliding_window)
             plan = {
-                "fill": fill, "max_len": max_len, "mask": mask,
+                "fill": fill, "max_len": max_len, "mask": mask, "rows": many,
                 # the row's new position in every layer, viewed once for the step, and its kernel
                 "one_row": None if run is None else (mirror.k[:, :1, :, max_len - 1], mirror.v[:, :1, :, max_len - 1], run),
                 "tok": None if in_order else torch.from_numpy(tok).to(dev),

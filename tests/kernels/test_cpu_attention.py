@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from arcserve.kernels import cpu_attention, reference
+from arcserve.kernels import cpu_attention, cpu_compiled, cpu_rows_attention, reference
 from arcserve.kernels.reference import AttentionMetadata
 
-BS, KVH, H, D, LAYERS, NB = 4, 2, 6, 8, 2, 400
+BS, KVH, H, D, LAYERS, NB = 4, 2, 6, 16, 2, 400  # (D: a multiple of the rows kernel's lanes)
 
 
 def make_meta(batch, block_tables, mirror):
@@ -67,10 +67,13 @@ def test_mirror_dtype_follows_the_cpu(native, tiles, monkeypatch):
      (12, None, 2 * LAYERS * KVH * D * 2 * 4 * 40, torch.bfloat16, True, True, True, None),
      (13, None, 1 << 30, torch.bfloat16, True, "grain", False, None), (14, 7, 1 << 20, torch.float32, False, "grain", True, None),
      (15, None, 1 << 30, torch.bfloat16, True, True, False, torch.float8_e4m3fn),
-     (16, 7, 1 << 30, torch.float32, False, False, True, torch.float8_e5m2)]
+     (16, 7, 1 << 30, torch.float32, False, False, True, torch.float8_e5m2),
+     (17, None, 1 << 30, torch.bfloat16, False, True, True, "rows"), (18, 7, 1 << 30, torch.bfloat16, False, "grain", False, "rows"),
+     (19, None, 2 * LAYERS * KVH * D * 4 * 5 * 24, torch.bfloat16, False, True, True, "rows"),
+     (20, 7, 1 << 30, torch.bfloat16, False, True, True, torch.float8_e4m3fn)]
 )  # fmt: skip
 def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dtype, native, sizing, prefault,
-                                                         cache, monkeypatch):  # fmt: skip
+                                                         cache, monkeypatch, request):  # fmt: skip
     """bf16 against the reference in float32 on the same bf16 values: native=False, the float32
     mirror of a CPU without half matrix tiles (outputs differ by their rounding to bf16 only);
     native=True, a bf16 mirror through SDPA's GQA form (a CPU with them). sizing: the engine's max_rows and max_len
@@ -80,9 +83,27 @@ def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dt
     written up front, as the engine makes it (every layout is a view of one arena either way, so a
     growth moves rows within memory the old layout also uses). cache: an 8-bit paged cache
     (kv_cache_dtype fp8*): the mirror holds the model dtype, and what it appends is rounded as the
-    paged cache rounds it."""
+    paged cache rounds it; "rows": a bf16 cache whose decode batches of two or more rows take the
+    compiled kernel (cpu_rows_attention.py), as the engine binds it on CPUs without half matrix
+    tiles (the last case too, over an 8-bit cache)."""
     monkeypatch.setattr(cpu_attention, "MIN_MIRROR_CONTEXT", 1)  # tiny contexts: always mirror
     monkeypatch.setattr(reference, "half_tiles", lambda dtype: native)
+    cpu_compiled._applies.cache_clear()  # (it caches what half_tiles said)
+    request.addfinalizer(cpu_compiled._applies.cache_clear)
+    ran: list[bool] = []  # each layer's outcome of the rows kernel, where the case binds it
+
+    def rows_kernel(*args):
+        run = cpu_rows_attention.decode_attention(*args)
+
+        def counted(q, layer):
+            out = run(q, layer)
+            ran.append(out is not None)
+            return out
+
+        return run and counted
+
+    rows = rows_kernel if seed >= 17 else None
+    cache = None if cache == "rows" else cache
     if sizing:
         monkeypatch.setattr(cpu_attention, "_GROW", 8)
     rng = random.Random(seed)
@@ -130,7 +151,7 @@ def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dt
         for layer in range(LAYERS):
             q, k, v = (torch.randn(T, n, D).to(dtype) for n in (H, KVH, KVH))
             reference.store_kv(k, v, kc[layer], vc[layer], meta_fast.slot_mapping)
-            fast = cpu_attention.paged_attention(q, k, v, kc[layer], vc[layer], meta_fast, 0.3, window, layer)
+            fast = cpu_attention.paged_attention(q, k, v, kc[layer], vc[layer], meta_fast, 0.3, window, layer, rows=rows)
             assert fast.dtype == dtype
             # the reference reads fresh prompts' k/v as the cache gives them back
             k, v = reference.kv_round_trip(k, kc[layer].dtype), reference.kv_round_trip(v, vc[layer].dtype)
@@ -142,6 +163,8 @@ def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dt
             seqs[sid] = s + n
     # The big budget serves decodes from the mirror; the tiny one must fall back every time.
     assert used_mirror == (budget > 4000)
+    if rows is not None:  # the kernel ran its steps (it compiles where a C++ compiler is), else SDPA did
+        assert ran and all(ran) == (not cpu_compiled._failed)
 
 
 def brute_force(q, kc, vc, meta, scale, window):

@@ -14,7 +14,15 @@ import torch
 import torch.nn.functional as F
 
 from arcserve import LLM, SamplingParams
-from arcserve.kernels import blocks, cpu_attention, cpu_compiled, cpu_layer, get_ops, reference
+from arcserve.kernels import (
+    blocks,
+    cpu_attention,
+    cpu_compiled,
+    cpu_layer,
+    cpu_rows_attention,
+    get_ops,
+    reference,
+)
 
 HAVE_CXX = shutil.which("g++") is not None  # what inductor compiles its CPU kernels with
 NATIVE_BF16 = reference.native_half_matmul(torch.bfloat16)  # this CPU's (read before the fixture patches it)
@@ -141,7 +149,8 @@ def test_enforce_eager_keeps_the_eager_ops():
     assert ops.paged_attention is cpu_attention.paged_attention  # SDPA over the mirror
     ops = get_ops("torch", torch.device("cpu"))
     assert ops.linear is cpu_compiled.linear and ops.add_rms_norm_linear is cpu_compiled.add_rms_norm_linear
-    assert ops.paged_attention.keywords == {"one_row": cpu_compiled.decode_attention}
+    assert ops.paged_attention.keywords == {"one_row": cpu_compiled.decode_attention,
+                                            "rows": cpu_rows_attention.decode_attention}  # fmt: skip
     # a step decoding one sequence: whole layers (cpu_layer), planned by the same one-row attention
     assert ops.decoder_layer.func is cpu_layer.decoder_layer
     assert ops.decoder_layer.keywords == {"one_row": cpu_compiled.decode_attention}
