@@ -102,12 +102,13 @@ def _kernel(fn: Callable, args: tuple, dynamic: dict[int, tuple[int, ...]] | Non
 def _shape_key(a: torch.Tensor, dims: tuple[int, ...]) -> tuple:
     """a's part of a kernel's key: its shape, the symbolic dimensions `dims` left out where their size
     is above 1 (tracing specializes a size of 1: such a kernel is keyed apart); with symbolic
-    dimensions, whether a is contiguous too: traced contiguous, a tensor's outer stride is the
+    dimensions, a's dtype (the key holds only the first argument's otherwise) and whether a is
+    contiguous too: traced contiguous, a tensor's outer stride is the
     product of its sizes, traced as a view of a larger buffer (the decode mirror's layouts in its
     arena) a symbol of its own, and the two kernels serve different tensors."""
     if not dims:
         return a.shape
-    return tuple(None if n > 1 and d in dims else n for d, n in enumerate(a.shape)), a.is_contiguous()
+    return tuple(None if n > 1 and d in dims else n for d, n in enumerate(a.shape)), a.is_contiguous(), a.dtype
 
 
 def _compile(fn: Callable, args: tuple, dynamic: dict[int, tuple[int, ...]]) -> Callable:

@@ -13,7 +13,10 @@ a 2-vCPU Zen 4 EPYC (docs/BENCHMARKS.md, session 37). This kernel:
 - sums the softmax-weighted values with one accumulator per 16 lanes of each query head, all in
   one loop over the positions (stacked sums, as cpu_compiled._gemv's tiles): left to inductor,
   each 16 output lanes were a loop of their own, a chain of dependent adds over the positions
-  re-reading V from the caches once per lane group (measured: that half of the kernel 1.9x slower).
+  re-reading V from the caches once per lane group (measured: that half of the kernel 1.9x slower);
+  the scores likewise, each query head's dot products a sum of their own in one loop over the
+  positions, over queries scaled and converted once (the kernel ~15% faster than one sum over
+  every query head, which read each K row once per query head).
 One kernel serves every decode batch: the rows, the mirror's layout and the number of blocks read
 are symbolic sizes (the engine compiles it at startup, ModelRunner.warm_up). Sums in float32 and
 one rounding to the queries' dtype, as SDPA over the float32 mirror (in another order)."""
@@ -30,7 +33,8 @@ BLOCK = 16  # positions a block: what the kernel reads, or skips (reads the row'
 LANES = 16  # output lanes an accumulator sums (one AVX-512 float32 vector, two AVX2 ones)
 # Accumulators the value sum keeps (query heads a KV head x head_dim / LANES); past this many the
 # batch takes SDPA. Measured on a 2-vCPU Zen 4 (benchmarks/cpu_rows_attention.py, 400 positions):
-# 12 sums (SmolLM2) 1.5-1.7x SDPA's speed, 28 (Qwen2.5-0.5B) 1.3x, 32 (Llama-3-8B) 1.8x, 64 1.0x.
+# 12 sums (SmolLM2's heads) 2.0x SDPA's speed, 28 (Qwen2.5-0.5B's) 1.6x, 32 (Llama-3-8B's) 1.9x,
+# 64 1.2x (left to SDPA: little margin, one run).
 MAX_SUMS = 32
 
 
@@ -55,7 +59,10 @@ def _attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, layer: torch.Tens
     at = (layer.view(1, 1, 1), torch.arange(n).view(n, 1, 1), torch.arange(kvh).view(1, kvh, 1), blk)
     k = K[at].view(n, kvh, nb * BLOCK, hd)
     v = V[at].view(n, kvh, nb * BLOCK, hd)
-    s = (q.float().view(n, kvh, g, 1, hd) * k[:, :, None]).sum(-1) * scale  # [n, kvh, g, positions]
+    # the scaled queries stored before the loop (inductor otherwise converts them at every position),
+    # and each query head's scores its own sum in one loop over the positions (K read once a row)
+    qs = torch.ops.prims.inductor_force_stride_order(q.float() * scale, (heads * hd, hd, 1)).view(n, kvh, g, hd)
+    s = torch.stack([(qs[:, :, j, None, :] * k).sum(-1) for j in range(g)], 2)  # [n, kvh, g, positions]
     p = torch.softmax(torch.where(valid[:, None, None, :], s, float("-inf")), -1)
     sums = [(p[:, :, j, :, None] * v[..., c : c + LANES]).sum(2) for j in range(g) for c in range(0, hd, LANES)]
     return torch.stack(sums, 2).view(n, heads, hd).to(q.dtype)
