@@ -12,13 +12,15 @@ bounded by `max_bytes` (beyond that, decode falls back to gathering). Prefill ch
 reference path.
 
 On CPUs without half matrix tiles (reference.half_tiles: AVX2-only, or AVX-512-BF16 without AMX),
-a bf16/fp16 cache gets a float32 mirror: torch's half attention is slow there (AVX2-only, SDPA at
-one query over 100 positions, SmolLM2's heads: ~150 us in bf16, ~35 us in float32; AVX-512-BF16
-without AMX, 64 rows: SDPA's GQA form 4x slower in bf16 than the rows form in float32), so the
-mirror then pays for itself from the first decode step. There, a half model's decode attention
-runs through the compiled kernels get_ops binds instead of SDPA, where they apply: `one_row`
-(cpu_compiled.decode_attention) for a step decoding one sequence, `rows`
-(cpu_rows_attention.decode_attention) for more.
+a half model's decode attention runs through the compiled kernels get_ops binds instead of SDPA,
+where they apply: `one_row` (cpu_compiled.decode_attention) for a step decoding one sequence,
+`rows` (cpu_rows_attention.decode_attention) for more; SDPA's rows form otherwise. There the mirror
+is used at any context. Where the CPU has no native half products (AVX2-only) a bf16/fp16 cache
+gets a float32 mirror: torch's half attention is slow there (SDPA at one query over 100 positions,
+SmolLM2's heads: ~150 us in bf16, ~35 us in float32). With native half products but no tiles
+(AVX-512-BF16, e.g. Zen 4) the mirror keeps the cache's dtype: the kernels read half the bytes
+(the 64-request benchmark ~4% faster than over a float32 mirror, docs/BENCHMARKS.md, session 37)
+and SDPA's rows form runs as fast over bf16 rows as over float32 ones there.
 """
 
 from __future__ import annotations
@@ -41,10 +43,16 @@ MIN_MIRROR_CONTEXT = 1024
 
 
 def mirror_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The cache's dtype, or float32 for a half cache where the CPU lacks half matrix tiles
-    (reference.half_tiles; see above)."""
-    upcast = dtype in (torch.float16, torch.bfloat16) and not reference.half_tiles(dtype)
+    """The cache's dtype, or float32 for a half cache where the CPU lacks native half products
+    (reference.native_half_matmul; see above)."""
+    upcast = dtype in (torch.float16, torch.bfloat16) and not reference.native_half_matmul(dtype)
     return torch.float32 if upcast else dtype
+
+
+def _untiled_half(dtype: torch.dtype) -> bool:
+    """A half cache on a CPU without half matrix tiles (reference.half_tiles): its decode steps read
+    the mirror through the compiled kernels get_ops binds (or SDPA's rows form), at any context."""
+    return dtype in (torch.float16, torch.bfloat16) and not reference.half_tiles(dtype)
 
 
 def _footprint(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, rows: int, cap: int) -> int:
@@ -61,9 +69,13 @@ class DecodeMirror:
         each page's first use (see _arena)."""
         self.shape = (num_layers, kv_heads, head_dim)
         self.dtype = mirror_dtype(dtype)
-        upcast = self.dtype != dtype
         self.device, self.max_bytes, self.max_rows, self.max_len = device, max_bytes, max_rows, max_len
-        self.min_context = 0 if upcast else MIN_MIRROR_CONTEXT
+        self.min_context = 0 if _untiled_half(dtype) else MIN_MIRROR_CONTEXT
+        self.gqa_form = self.dtype in (torch.float16, torch.bfloat16) and not _untiled_half(dtype)
+        # gqa_form: SDPA's GQA form over a half mirror on CPUs with half matrix tiles: measured on a
+        # 2-vCPU AVX-512/AMX Xeon, 64 sequences x ~400 positions of SmolLM2's heads, ~2.1 ms per
+        # layer against ~2.5-3.2 ms with the query heads as rows (the rows form); the 64-request
+        # benchmark +14%. Elsewhere the rows form, the faster one there (4x in bf16 on a Zen 4).
         self.k: torch.Tensor | None = None  # [layers, rows, kvh, cap, hd], a view of the arena
         self.v: torch.Tensor | None = None
         self.ids: list[int] = []  # seq id held by each row
@@ -76,14 +88,6 @@ class DecodeMirror:
         """The most a growth ever takes: max_rows rows of max_len tokens (rounded up to _GROW), K and V,
         in the mirror's dtype for a cache of `dtype`."""
         return _footprint(num_layers, kv_heads, head_dim, mirror_dtype(dtype), max_rows, -(-max_len // _GROW) * _GROW)
-
-    @property
-    def gqa_form(self) -> bool:
-        """A half mirror (CPUs with half matrix tiles) runs SDPA in its GQA form: measured on a
-        2-vCPU AVX-512/AMX Xeon, 64 sequences x ~400 positions of SmolLM2's heads, ~2.1 ms per
-        layer against ~2.5-3.2 ms with the query heads as rows; the 64-request benchmark +14%.
-        A float32 mirror keeps the rows form, the faster one there."""
-        return self.dtype in (torch.float16, torch.bfloat16)
 
     def _bytes(self, rows: int, cap: int) -> int:
         return _footprint(*self.shape, self.dtype, rows, cap)

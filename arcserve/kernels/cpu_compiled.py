@@ -19,14 +19,14 @@ runs both through generic paths (measured on a 2-vCPU AVX2 AMD EPYC, docs/BENCHM
   kernels replace them, and each half of a decoder layer around attention (kernels/blocks.py:
   pre_attention, post_attention) runs as one compiled call with its products. The per-group
   kernels below serve the final norm, the LM head, and layers whose weights have no rows16 copy;
-- a single sequence's attention over its float32 decode-mirror row (decode_attention) costs SDPA's
+- a single sequence's attention over its decode-mirror row (decode_attention) costs SDPA's
   fixed ~60-90 us a call at any short context; one compiled graph replaces it, the positions it
   reads a symbolic size, so the same kernel serves every context length.
 
 Rounding: the small-op groups are compiled with inductor's `emulate_precision_casts`, so they round
 where eager PyTorch rounds (the same bits as reference.py's ops); products accumulate in float32 and
 round once to the activations' dtype, as torch's do (the summation order differs); attention
-sums in float32 and rounds once, as SDPA over the float32 mirror does (its order differs too).
+sums in float32 and rounds once, as SDPA over a float32 mirror does (its order differs too).
 
 Graphs are traced with make_fx and compiled by inductor's compile_fx directly: torch.compile's frame
 guards cost ~100 us per call here, more than these kernels (and compile_fx's own wrappers ~12 us,
@@ -327,7 +327,7 @@ def post_attention(ops, attn, residual, lw, eps):
 def _attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, layer: torch.Tensor, length: torch.Tensor,
             span: torch.Tensor, *new: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
     """q [1, heads, hd] over the first `length` positions of row 0 of layer `layer` (a 1-element
-    index) of K, V [layers, rows, kv heads, capacity, hd] (float32), span.shape[0] positions read
+    index) of K, V [layers, rows, kv heads, capacity, hd] (float32 or q's dtype), span.shape[0] positions read
     (compiled with that size symbolic: one kernel for every context), query heads grouped on their
     KV head as SDPA's GQA does; the result in q's dtype. `new`, when given, is the step's k and v
     ([1, kv heads, hd]): they stand in for position length - 1 (the row holds them only after the
@@ -351,7 +351,7 @@ SPAN_STEP = 16  # the one-row attention reads the context rounded up to this man
 
 class OneRowAttention:
     """A step's attention for one decoding sequence over the first `length` positions of row 0 of
-    the float32 KV buffers K, V [layers, rows, kv heads, capacity, hd] (cpu_attention.DecodeMirror's),
+    the KV buffers K, V [layers, rows, kv heads, capacity, hd] (cpu_attention.DecodeMirror's),
     read over the length rounded up to SPAN_STEP (`span`'s size: the kernels take it as a symbolic
     size, so one kernel serves every context): `self(q, layer)` runs it as one compiled call
     (q [1, heads, hd]; layer a 1-element int64 tensor, picked inside the graph so the caller makes
@@ -395,10 +395,10 @@ def warm_up_length(dtype: torch.dtype, max_model_len: int) -> int | None:
 
 def decode_attention(K: torch.Tensor, V: torch.Tensor, length: int, dtype: torch.dtype,
                      scale: float) -> OneRowAttention | None:  # fmt: skip
-    """For a step decoding one sequence over the first `length` positions of row 0 of the float32
-    KV buffers K, V (cpu_attention.DecodeMirror's), queries in `dtype`: the step's attention
+    """For a step decoding one sequence over the first `length` positions of row 0 of the KV
+    buffers K, V (cpu_attention.DecodeMirror's: float32, or the queries' `dtype`): the step's attention
     (OneRowAttention), decided here once per step, in place of SDPA. None where it does not apply
     (the caller runs SDPA): not a half model on a CPU without half matrix tiles (_applies)."""
-    if _failed or not _applies(dtype) or K.dtype != torch.float32:
+    if _failed or not _applies(dtype) or K.dtype not in (torch.float32, dtype):
         return None
     return OneRowAttention(K, V, length, scale)

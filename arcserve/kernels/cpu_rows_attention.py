@@ -1,5 +1,5 @@
-"""Decode attention of many sequences at once over the float32 decode mirror
-(cpu_attention.DecodeMirror), compiled by inductor, for half models on CPUs without half matrix
+"""Decode attention of many sequences at once over the decode mirror (cpu_attention.DecodeMirror,
+float32 or the model's half dtype), compiled by inductor, for half models on CPUs without half matrix
 tiles: the tier whose one-token steps run compiled (cpu_compiled._applies).
 
 SDPA over the mirror (the rows form: each KV head's query heads as its query rows) reads every row
@@ -19,7 +19,7 @@ a 2-vCPU Zen 4 EPYC (docs/BENCHMARKS.md, session 37). This kernel:
   every query head, which read each K row once per query head).
 One kernel serves every decode batch: the rows, the mirror's layout and the number of blocks read
 are symbolic sizes (the engine compiles it at startup, ModelRunner.warm_up). Sums in float32 and
-one rounding to the queries' dtype, as SDPA over the float32 mirror (in another order)."""
+one rounding to the queries' dtype, as SDPA over a float32 mirror (in another order)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ MAX_SUMS = 32
 def _attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, layer: torch.Tensor, lens: torch.Tensor,
             blocks: torch.Tensor, *, scale: float, window: int | None) -> torch.Tensor:  # fmt: skip
     """q [n, heads, hd] over rows 0..n-1 of layer `layer` (a 1-element index) of K, V [layers, rows,
-    kv heads, capacity / BLOCK, BLOCK, hd] (float32): row i's first lens[i] positions (the last
+    kv heads, capacity / BLOCK, BLOCK, hd] (float32 or q's dtype): row i's first lens[i] positions (the last
     `window` of them with a sliding window), blocks.shape[0] blocks of each row read. Query heads
     grouped on their KV head as SDPA's GQA does; the result in q's dtype."""
     n, heads, hd = q.shape
@@ -69,8 +69,8 @@ def _attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, layer: torch.Tens
 
 
 class RowsAttention:
-    """A step's attention for n >= 2 decoding sequences over rows 0..n-1 of the float32 KV buffers
-    K, V [layers, rows, kv heads, capacity, hd] (cpu_attention.DecodeMirror's), row i's first
+    """A step's attention for n >= 2 decoding sequences over rows 0..n-1 of the KV buffers K, V
+    [layers, rows, kv heads, capacity, hd] (cpu_attention.DecodeMirror's, float32 or q's dtype), row i's first
     lens[i] positions: `self(q, layer)` runs it as one compiled call (q [n, heads, hd]; layer a
     1-element int64 tensor), or returns None if the kernel fails to compile."""
 
@@ -100,13 +100,13 @@ class RowsAttention:
 
 def decode_attention(K: torch.Tensor, V: torch.Tensor, lens: torch.Tensor, width: int, dtype: torch.dtype,
                      scale: float, window: int | None) -> RowsAttention | None:  # fmt: skip
-    """For a step decoding len(lens) >= 2 sequences (queries in `dtype`) over the float32 KV buffers
-    K, V (rows 0.. of cpu_attention.DecodeMirror's, row i's first lens[i] positions valid, `width`
+    """For a step decoding len(lens) >= 2 sequences (queries in `dtype`) over the KV buffers K, V
+    (float32 or `dtype`; rows 0.. of cpu_attention.DecodeMirror's, row i's first lens[i] positions valid, `width`
     the longest): the step's attention (RowsAttention), decided once per step, in place of SDPA.
     None where it does not apply (the caller runs SDPA): not a half model on a CPU without half
     matrix tiles (cpu_compiled._applies), one row, a head size not a multiple of LANES."""
     cap, hd = K.shape[3:]
-    if cpu_compiled._failed or not cpu_compiled._applies(dtype) or K.dtype != torch.float32 or len(lens) < 2:
+    if cpu_compiled._failed or not cpu_compiled._applies(dtype) or K.dtype not in (torch.float32, dtype) or len(lens) < 2:
         return None
     if hd % LANES or cap % BLOCK:
         return None

@@ -39,16 +39,17 @@ def make_meta(batch, block_tables, mirror):
 
 @pytest.mark.parametrize("native,tiles", [(True, True), (True, False), (False, False)])
 def test_mirror_dtype_follows_the_cpu(native, tiles, monkeypatch):
-    """A half cache keeps a half mirror (used from MIN_MIRROR_CONTEXT) where the CPU multiplies halves
-    natively and has matrix tiles for them (AMX), else a float32 one used at any context (AVX-512-BF16
-    without AMX, AVX2-only); a float32 cache always mirrors in float32."""
+    """A half cache keeps a half mirror where the CPU multiplies halves natively: with matrix tiles
+    for them (AMX) used from MIN_MIRROR_CONTEXT through SDPA's GQA form, without (AVX-512-BF16, e.g.
+    Zen 4) at any context in the rows form (the compiled kernels read it); a CPU without native half
+    products (AVX2-only) gets a float32 one, used at any context; a float32 cache always mirrors in
+    float32, from MIN_MIRROR_CONTEXT."""
     monkeypatch.setattr(reference, "native_half_matmul", lambda dtype: native)
     monkeypatch.setattr(reference, "cpu_matrix_tiles", lambda dtype: tiles)
-    native = native and tiles  # (what decides below)
     half = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.bfloat16, torch.device("cpu"), 1 << 20)
     assert half.dtype == (torch.bfloat16 if native else torch.float32)
-    assert half.min_context == (cpu_attention.MIN_MIRROR_CONTEXT if native else 0)
-    assert half.gqa_form == native  # SDPA's GQA form over half mirrors only
+    assert half.min_context == (cpu_attention.MIN_MIRROR_CONTEXT if native and tiles else 0)
+    assert half.gqa_form == (native and tiles)  # SDPA's GQA form over half mirrors of tiled CPUs only
     full = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, torch.device("cpu"), 1 << 20)
     assert full.dtype == torch.float32 and full.min_context == cpu_attention.MIN_MIRROR_CONTEXT
     assert not full.gqa_form
@@ -58,7 +59,7 @@ def test_mirror_dtype_follows_the_cpu(native, tiles, monkeypatch):
     "seed,window,budget,dtype,native,sizing,prefault,cache",
     [(0, None, 1 << 30, torch.float32, False, False, False, None), (1, 7, 1 << 30, torch.float32, False, False, False, None),
      (2, None, 1 << 30, torch.float32, False, True, False, None), (3, None, 4000, torch.float32, False, False, False, None),
-     (4, None, 1 << 30, torch.bfloat16, False, False, False, None), (5, 7, 1 << 30, torch.bfloat16, False, True, False, None),
+     (4, None, 1 << 30, torch.bfloat16, False, False, False, None), (5, 7, 1 << 30, torch.bfloat16, "products", True, False, None),
      (6, None, 1 << 30, torch.bfloat16, True, False, False, None), (7, 7, 1 << 30, torch.bfloat16, True, True, False, None),
      (8, None, 2 * LAYERS * KVH * D * 4 * 5 * 24, torch.float32, False, True, False, None),
      (9, None, 2 * LAYERS * KVH * D * 2 * 4 * 40, torch.bfloat16, True, True, False, None),
@@ -68,15 +69,17 @@ def test_mirror_dtype_follows_the_cpu(native, tiles, monkeypatch):
      (13, None, 1 << 30, torch.bfloat16, True, "grain", False, None), (14, 7, 1 << 20, torch.float32, False, "grain", True, None),
      (15, None, 1 << 30, torch.bfloat16, True, True, False, torch.float8_e4m3fn),
      (16, 7, 1 << 30, torch.float32, False, False, True, torch.float8_e5m2),
-     (17, None, 1 << 30, torch.bfloat16, False, True, True, "rows"), (18, 7, 1 << 30, torch.bfloat16, False, "grain", False, "rows"),
-     (19, None, 2 * LAYERS * KVH * D * 4 * 5 * 24, torch.bfloat16, False, True, True, "rows"),
-     (20, 7, 1 << 30, torch.bfloat16, False, True, True, torch.float8_e4m3fn)]
+     (17, None, 1 << 30, torch.bfloat16, "products", True, True, "rows"), (18, 7, 1 << 30, torch.bfloat16, False, "grain", False, "rows"),
+     (19, None, 2 * LAYERS * KVH * D * 4 * 5 * 24, torch.bfloat16, "products", True, True, "rows"),
+     (20, 7, 1 << 30, torch.bfloat16, False, True, True, torch.float8_e4m3fn),
+     (21, 7, 1 << 30, torch.bfloat16, "products", "grain", True, torch.float8_e5m2)]
 )  # fmt: skip
 def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dtype, native, sizing, prefault,
                                                          cache, monkeypatch, request):  # fmt: skip
-    """bf16 against the reference in float32 on the same bf16 values: native=False, the float32
-    mirror of a CPU without half matrix tiles (outputs differ by their rounding to bf16 only);
-    native=True, a bf16 mirror through SDPA's GQA form (a CPU with them). sizing: the engine's max_rows and max_len
+    """bf16 against the reference in float32 on the same bf16 values (outputs differ by their rounding
+    to bf16 only): native=False, the float32 mirror of a CPU without native half products (AVX2-only);
+    "products", a bf16 mirror in the rows form (native half products, no matrix tiles: Zen 4);
+    native=True, a bf16 mirror through SDPA's GQA form (a CPU with AMX tiles). sizing: the engine's max_rows and max_len
     hints, with an 8-token growth grain ("grain": the grain without the hints, so rows widen while
     several are held and each layer's rows move within the arena); the small budgets hold only a
     few rows or tokens, so growths shrink one dimension to widen the other and some steps fall back. prefault: the arena
@@ -87,7 +90,9 @@ def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dt
     compiled kernel (cpu_rows_attention.py), as the engine binds it on CPUs without half matrix
     tiles (the last case too, over an 8-bit cache)."""
     monkeypatch.setattr(cpu_attention, "MIN_MIRROR_CONTEXT", 1)  # tiny contexts: always mirror
-    monkeypatch.setattr(reference, "half_tiles", lambda dtype: native)
+    tiles = native is True
+    monkeypatch.setattr(reference, "half_tiles", lambda dtype: tiles)
+    monkeypatch.setattr(reference, "native_half_matmul", lambda dtype: native is not False)
     cpu_compiled._applies.cache_clear()  # (it caches what half_tiles said)
     request.addfinalizer(cpu_compiled._applies.cache_clear)
     ran: list[bool] = []  # each layer's outcome of the rows kernel, where the case binds it
@@ -116,7 +121,8 @@ def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dt
                                         prefault=prefault)  # fmt: skip
     assert (mirror.arena is not None) == prefault
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
-    assert mirror.gqa_form == native
+    assert mirror.gqa_form == tiles
+    assert mirror.dtype == (torch.float32 if native is False else dtype)
     free = list(range(NB))
     rng.shuffle(free)
     seqs: dict[int, int] = {}  # seq id -> tokens computed

@@ -162,7 +162,8 @@ def test_engine_decodes_the_same_tokens_compiled_and_eager(llama_dir, monkeypatc
     """A bf16 model decoding one request: the compiled one-token path gives the eager path's tokens.
     native: as on a CPU with native bf16 products but no matrix tiles (AVX-512-BF16 without AMX,
     e.g. AMD Zen 4; where this CPU has the products): oneDNN's packed bf16 weights serve every other
-    row count, beside the rows16 copies; else the float32 copies of an AVX2-only CPU."""
+    row count, beside the rows16 copies, and the decode mirror keeps bf16; else the float32 copies
+    and float32 mirror of an AVX2-only CPU."""
     monkeypatch.setattr(cpu_compiled, "_compiled", {})  # (not the kernels earlier tests compiled)
     if native:
         monkeypatch.setattr(reference, "native_half_matmul", lambda dtype: True)
@@ -177,7 +178,7 @@ def test_engine_decodes_the_same_tokens_compiled_and_eager(llama_dir, monkeypatc
     gate_up = fast.llm_engine.model.layers[0].gate_up
     assert isinstance(gate_up, reference.EmulatedHalfWeight) and gate_up.rows16 is not None
     assert (gate_up.half is None) == native and gate_up.batched.dtype == (torch.bfloat16 if native else torch.float32)
-    assert fast.llm_engine.runner.decode_mirror.dtype == torch.float32
+    assert fast.llm_engine.runner.decode_mirror.dtype == (torch.bfloat16 if native else torch.float32)
     whole = []  # layers the request's steps ran as one compiled call (not the startup warm-up's)
     run = cpu_layer._run
     monkeypatch.setattr(cpu_layer, "_run", lambda *args: whole.append(run(*args)) or whole[-1])

@@ -18,11 +18,11 @@ from arcserve.kernels import cpu_compiled, cpu_rows_attention, reference
 KERNEL = cpu_rows_attention._attend
 
 
-def _mirror(layers, rows, kvh, cap, d, g):
-    """K, V [layers, rows, kvh, cap, d] float32 holding bf16 values: views of the start of each
+def _mirror(layers, rows, kvh, cap, d, g, dtype=torch.float32):
+    """K, V [layers, rows, kvh, cap, d] in `dtype` holding bf16 values: views of the start of each
     layer's storage (one element more than the layout), as the mirror's arena gives them."""
     n = rows * kvh * cap * d
-    K, V = ((torch.randn(layers, n + 1, generator=g) * s).bfloat16().float() for s in (2, 1))
+    K, V = ((torch.randn(layers, n + 1, generator=g) * s).bfloat16().to(dtype) for s in (2, 1))
     return K[:, :n].view(layers, rows, kvh, cap, d), V[:, :n].view(layers, rows, kvh, cap, d)
 
 
@@ -31,16 +31,19 @@ def _sdpa(q, K, V, lens, window, scale):
     n, heads, d = q.shape
     kvh, width = K.shape[1], int(lens.max())
     mask = reference.decode_mask(lens, width, window, torch.float32)
+    K, V = K.float(), V.float()
     o = F.scaled_dot_product_attention(q.float().view(n, kvh, heads // kvh, d), K[:n, :, :width], V[:n, :, :width],
                                        attn_mask=mask, scale=scale)  # fmt: skip
     return o.view(n, heads, d)
 
 
-@pytest.mark.parametrize("dtype,heads,kvh,d", [(torch.bfloat16, 6, 2, 16), (torch.float16, 4, 4, 32)])
-def test_rows_attention_matches_sdpa(dtype, heads, kvh, d):
+@pytest.mark.parametrize("dtype,heads,kvh,d,half", [(torch.bfloat16, 6, 2, 16, False), (torch.float16, 4, 4, 32, False),
+                                                    (torch.bfloat16, 6, 2, 16, True)])  # fmt: skip
+def test_rows_attention_matches_sdpa(dtype, heads, kvh, d, half):
     """Row counts from 2, lengths from 1 to the capacity (inside, at and around block bounds),
     windows, layouts of several row counts and capacities: SDPA's result within the output dtype's
-    rounding, from one kernel per window value (rows, layout and blocks read are symbolic)."""
+    rounding, from one kernel per window value (rows, layout and blocks read are symbolic); over a
+    float32 mirror (CPUs without native half products) or a half one (`half`: with them)."""
     g = torch.Generator().manual_seed(7)
     tol = dict(rtol=8e-3, atol=8e-3) if dtype == torch.bfloat16 else dict(rtol=1e-3, atol=1e-3)
     before = compiled_keys(KERNEL)
@@ -52,7 +55,7 @@ def test_rows_attention_matches_sdpa(dtype, heads, kvh, d):
     ]  # fmt: skip
     for i, (n, window, lens) in enumerate(cases):
         rows, cap = next((r, c) for r, c in layouts[i % 4 :] + layouts if r >= n and c >= max(lens))
-        K, V = _mirror(3, rows, kvh, cap, d, g)
+        K, V = _mirror(3, rows, kvh, cap, d, g, dtype if half else torch.float32)
         lens = torch.tensor(lens)
         q = (torch.randn(n, heads, d, generator=g) * 2).to(dtype)
         run = cpu_rows_attention.decode_attention(K, V, lens, int(lens.max()), dtype, 0.3, window)
