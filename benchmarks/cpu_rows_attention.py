@@ -35,36 +35,39 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--reps", type=int, default=5)
     a = p.parse_args()
-    timed = functools.partial(cpu_ops.timed, n=a.reps)
-    n, heads, kvh, d = a.rows, a.heads, a.kv_heads, a.head_dim
     gen = torch.Generator().manual_seed(0)
     for L in a.lengths:
-        cap = -(-L // 128) * 128
-        size = n * kvh * cap * d
-        K = torch.randn(LAYERS, size + 1, generator=gen)[:, :size].view(LAYERS, n, kvh, cap, d)
-        V = torch.randn(LAYERS, size + 1, generator=gen)[:, :size].view(LAYERS, n, kvh, cap, d)
-        q = [torch.randn(n, heads, d, generator=gen).bfloat16() for _ in range(LAYERS)]
-        lens = torch.randint(int(L * a.min_frac), L + 1, (n,), generator=gen)
-        lens[0] = L
-        mask = reference.decode_mask(lens, L, None, torch.float32)
-        layer = [torch.tensor([i]) for i in range(LAYERS)]
+        run_length(a, L, gen)
 
-        def sdpa(i):
-            o = F.scaled_dot_product_attention(q[i].view(n, kvh, heads // kvh, d).float(), K[i, :, :, :L],
-                                               V[i, :, :, :L], attn_mask=mask, scale=d**-0.5)  # fmt: skip
-            return o.view(n, heads, d).bfloat16()
 
-        run = cpu_rows_attention.decode_attention(K, V, lens, L, torch.bfloat16, d**-0.5, None)
-        if run is None or run(q[0], layer[0]) is None:
-            print(f"len {L}: the kernel does not apply to these heads (or failed to compile)")
-            continue
-        err = max((run(q[i], layer[i]).float() - sdpa(i).float()).abs().max().item() for i in range(2))
-        t_sdpa = timed(lambda: [sdpa(i) for i in range(LAYERS)])
-        t_rows = timed(lambda: [run(q[i], layer[i]) for i in range(LAYERS)])
-        padded, needed = (2 * kvh * d * 4 * x / 1e6 for x in (n * L, int(lens.sum())))
-        print(f"rows {n} len {L}: SDPA {t_sdpa:.2f} ms, kernel {t_rows:.2f} ms / {LAYERS} layers "
-              f"({t_sdpa / t_rows:.2f}x); MB a layer padded {padded:.1f}, needed {needed:.1f}; max diff {err:.4f}")  # fmt: skip
+def run_length(a: argparse.Namespace, L: int, gen: torch.Generator) -> None:
+    timed = functools.partial(cpu_ops.timed, n=a.reps)
+    n, heads, kvh, d = a.rows, a.heads, a.kv_heads, a.head_dim
+    cap = -(-L // 128) * 128
+    size = n * kvh * cap * d
+    K = torch.randn(LAYERS, size + 1, generator=gen)[:, :size].view(LAYERS, n, kvh, cap, d)
+    V = torch.randn(LAYERS, size + 1, generator=gen)[:, :size].view(LAYERS, n, kvh, cap, d)
+    q = [torch.randn(n, heads, d, generator=gen).bfloat16() for _ in range(LAYERS)]
+    lens = torch.randint(int(L * a.min_frac), L + 1, (n,), generator=gen)
+    lens[0] = L
+    mask = reference.decode_mask(lens, L, None, torch.float32)
+    layer = [torch.tensor([i]) for i in range(LAYERS)]
 
+    def sdpa(i):
+        o = F.scaled_dot_product_attention(q[i].view(n, kvh, heads // kvh, d).float(), K[i, :, :, :L],
+                                           V[i, :, :, :L], attn_mask=mask, scale=d**-0.5)  # fmt: skip
+        return o.view(n, heads, d).bfloat16()
+
+    run = cpu_rows_attention.decode_attention(K, V, lens, L, heads, torch.bfloat16, d**-0.5, None)
+    if run is None or run(q[0], layer[0]) is None:  # (wider heads than MAX_SUMS: None)
+        print(f"len {L}: the kernel does not apply to these heads (or failed to compile)")
+        return
+    err = max((run(q[i], layer[i]).float() - sdpa(i).float()).abs().max().item() for i in range(2))
+    t_sdpa = timed(lambda: [sdpa(i) for i in range(LAYERS)])
+    t_rows = timed(lambda: [run(q[i], layer[i]) for i in range(LAYERS)])
+    padded, needed = (2 * kvh * d * 4 * x / 1e6 for x in (n * L, int(lens.sum())))
+    print(f"rows {n} len {L}: SDPA {t_sdpa:.2f} ms, kernel {t_rows:.2f} ms / {LAYERS} layers "
+          f"({t_sdpa / t_rows:.2f}x); MB a layer padded {padded:.1f}, needed {needed:.1f}; max diff {err:.4f}")  # fmt: skip
 
 if __name__ == "__main__":
     main()

@@ -277,8 +277,8 @@ class ModelRunner:
         n = self.warm_up_length()
         if n is None:
             return
+        mirror = self.decode_mirror
         for rows in (1, 2) if self.max_num_seqs > 1 else (1,):
-            mirror = self.decode_mirror
             meta = scratch_meta([n] * rows, self.block_size, self.device, q_lens=[1] * rows)
             meta.host.update(seq_ids=-1 - np.arange(rows), decode_mirror=mirror, kv_cache=self.kv)
             ids = torch.zeros(rows, dtype=torch.long, device=self.device)

@@ -49,12 +49,6 @@ def mirror_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if upcast else dtype
 
 
-def _untiled_half(dtype: torch.dtype) -> bool:
-    """A half cache on a CPU without half matrix tiles (reference.half_tiles): its decode steps read
-    the mirror through the compiled kernels get_ops binds (or SDPA's rows form), at any context."""
-    return dtype in (torch.float16, torch.bfloat16) and not reference.half_tiles(dtype)
-
-
 def _footprint(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, rows: int, cap: int) -> int:
     """Bytes of K and V for `rows` rows of `cap` tokens."""
     return 2 * layers * rows * kv_heads * cap * head_dim * dtype.itemsize
@@ -70,8 +64,8 @@ class DecodeMirror:
         self.shape = (num_layers, kv_heads, head_dim)
         self.dtype = mirror_dtype(dtype)
         self.device, self.max_bytes, self.max_rows, self.max_len = device, max_bytes, max_rows, max_len
-        self.min_context = 0 if _untiled_half(dtype) else MIN_MIRROR_CONTEXT
-        self.gqa_form = self.dtype in (torch.float16, torch.bfloat16) and not _untiled_half(dtype)
+        self.min_context = 0 if reference.untiled_half(dtype) else MIN_MIRROR_CONTEXT
+        self.gqa_form = reference.half_tiles(dtype)
         # gqa_form: SDPA's GQA form over a half mirror on CPUs with half matrix tiles: measured on a
         # 2-vCPU AVX-512/AMX Xeon, 64 sequences x ~400 positions of SmolLM2's heads, ~2.1 ms per
         # layer against ~2.5-3.2 ms with the query heads as rows (the rows form); the 64-request
@@ -233,9 +227,12 @@ class DecodeMirror:
         K.view(-1, hd).index_copy_(0, plan["slots"], k.to(K.dtype).reshape(-1, hd))
         V.view(-1, hd).index_copy_(0, plan["slots"], v.to(V.dtype).reshape(-1, hd))
         if plan["rows"] is not None:  # many rows, through the step's compiled kernel
-            o = plan["rows"](q.contiguous(), self.layer_index[layer])  # (one layout: one kernel)
+            run = plan["rows"]
+            o = run(q.contiguous(), self.layer_index[layer])  # (one layout: one kernel)
             if o is not None:
-                return o  # (else it does not apply or failed to compile: SDPA below)
+                return o
+            # it failed to compile: SDPA for the rest of the step, over the mask the plan left out
+            plan["rows"], plan["mask"] = None, reference.decode_mask(run.lens, L, run.window, K.dtype)
         # Rows form: the query heads sharing a KV head ride as its query rows (no mask among them);
         # GQA form: one query row per head, enable_gqa (gqa_form says which).
         gqa = self.gqa_form
@@ -256,9 +253,9 @@ def paged_attention(
     one_row (get_ops binds cpu_compiled.decode_attention): for a step whose decoding is one row
     read whole, one_row(K, V, length, dtype, scale) gives the step's attention kernel or None.
     rows (get_ops binds cpu_rows_attention.decode_attention): for a step decoding more rows,
-    rows(K, V, lens, width, dtype, scale, sliding_window) gives the step's kernel or None."""
+    rows(K, V, lens, width, heads, dtype, scale, sliding_window) gives the step's kernel or None."""
     mirror: DecodeMirror | None = meta.host.get("decode_mirror")
-    plan = _plan(meta, k_cache.shape[1], mirror, sliding_window, one_row, q.dtype, scale, rows)
+    plan = _plan(meta, k_cache.shape[1], mirror, sliding_window, one_row, q.dtype, scale, rows, q.shape[1])
     if plan is None:
         return reference.paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
     if plan["tok"] is None:  # decode-only step, tokens in row order
@@ -270,10 +267,11 @@ def paged_attention(
 
 
 def _plan(meta: AttentionMetadata, block_size: int, mirror: DecodeMirror | None, sliding_window: int | None,
-          one_row: Callable | None, dtype: torch.dtype, scale: float, many_rows: Callable | None = None):  # fmt: skip
+          one_row: Callable | None, dtype: torch.dtype, scale: float, many_rows: Callable | None = None,
+          heads: int = 0):  # fmt: skip
     """Once per step: rows for this step's decoders, in row order, or None to gather instead; and
     the step's one-row kernel where one_row gives one (the new position's views with it), or its
-    many-rows kernel where many_rows gives one."""
+    many-rows kernel where many_rows gives one (for `heads` query heads)."""
     if "mirror_plan" in meta.cache:
         return meta.cache["mirror_plan"]
     plan = None
@@ -289,17 +287,19 @@ def _plan(meta: AttentionMetadata, block_size: int, mirror: DecodeMirror | None,
             dev = meta.block_tables.device
             lens_rows = torch.from_numpy(mirror.lens.copy()).to(dev)
             max_len = int(mirror.lens.max())
-            mask = reference.decode_mask(lens_rows, max_len, sliding_window, mirror.dtype)
+            many = None
+            if many_rows is not None and len(rows) > 1:
+                many = many_rows(mirror.k, mirror.v, lens_rows, max_len, heads, dtype, scale, sliding_window)
+            # (SDPA's mask: not made where the many-rows kernel runs; attend makes it if that fails)
+            mask = None if many is not None else reference.decode_mask(lens_rows, max_len, sliding_window, mirror.dtype)
             tok = qsl[dec][order]
             _, kvh, cap, _ = mirror.k.shape[1:]
             # flat offset of (row, head, the row's new position) in a layer's [rows, kvh, cap, hd]
             slots = (np.arange(len(rows))[:, None] * kvh + np.arange(kvh)[None, :]) * cap + (lens[order] - 1)[:, None]
             in_order = len(dec) == len(seq_lens) and np.array_equal(tok, np.arange(len(tok)))
-            run = many = None
+            run = None
             if one_row is not None and len(rows) == 1 and mask is None:
                 run = one_row(mirror.k, mirror.v, max_len, dtype, scale)
-            elif many_rows is not None and len(rows) > 1:
-                many = many_rows(mirror.k, mirror.v, lens_rows, max_len, dtype, scale, sliding_window)
             plan = {
                 "fill": fill, "max_len": max_len, "mask": mask, "rows": many,
                 # the row's new position in every layer, viewed once for the step, and its kernel

@@ -60,9 +60,9 @@ _failed: list[str] = []  # the first compile error; non-empty turns the compiled
 
 @functools.cache
 def _applies(dtype: torch.dtype) -> bool:
-    """Whether half models in `dtype` take the compiled one-token steps here: on CPUs without half
-    matrix tiles (reference.half_tiles), with or without native half products."""
-    return dtype in (torch.bfloat16, torch.float16) and not reference.half_tiles(dtype)
+    """Whether half models in `dtype` take the compiled steps here (reference.untiled_half; cached:
+    asked at every one-token op)."""
+    return reference.untiled_half(dtype)
 
 
 def _one_token(x: torch.Tensor) -> bool:

@@ -85,12 +85,8 @@ class RowsAttention:
         self._kernel: Callable | None = None
 
     def __call__(self, q: torch.Tensor, layer: torch.Tensor) -> torch.Tensor | None:
-        """None also where the query heads are more than the kernel's sums fit (MAX_SUMS)."""
         args = (q, self.K, self.V, layer, self.lens, self.blocks)
         if self._kernel is None:  # looked up at the step's first layer
-            kvh, hd = self.K.shape[2], self.K.shape[5]
-            if q.shape[1] % kvh or q.shape[1] // kvh * hd // LANES > MAX_SUMS:
-                return None
             dynamic = {0: (0,), 1: (1, 3), 2: (1, 3), 4: (0,), 5: (0,)}
             self._kernel = cpu_compiled._kernel(_attend, args, dynamic, scale=self.scale, window=self.window)
             if self._kernel is None:
@@ -98,16 +94,17 @@ class RowsAttention:
         return self._kernel(*args)
 
 
-def decode_attention(K: torch.Tensor, V: torch.Tensor, lens: torch.Tensor, width: int, dtype: torch.dtype,
-                     scale: float, window: int | None) -> RowsAttention | None:  # fmt: skip
-    """For a step decoding len(lens) >= 2 sequences (queries in `dtype`) over the KV buffers K, V
+def decode_attention(K: torch.Tensor, V: torch.Tensor, lens: torch.Tensor, width: int, heads: int,
+                     dtype: torch.dtype, scale: float, window: int | None) -> RowsAttention | None:  # fmt: skip
+    """For a step decoding len(lens) >= 2 sequences (`heads` queries each, in `dtype`) over the KV buffers K, V
     (float32 or `dtype`; rows 0.. of cpu_attention.DecodeMirror's, row i's first lens[i] positions valid, `width`
     the longest): the step's attention (RowsAttention), decided once per step, in place of SDPA.
     None where it does not apply (the caller runs SDPA): not a half model on a CPU without half
-    matrix tiles (cpu_compiled._applies), one row, a head size not a multiple of LANES."""
-    cap, hd = K.shape[3:]
+    matrix tiles (cpu_compiled._applies), one row, a head size not a multiple of LANES, more query
+    heads a KV head than the kernel's sums fit (MAX_SUMS)."""
+    kvh, cap, hd = K.shape[2:]
     if cpu_compiled._failed or not cpu_compiled._applies(dtype) or K.dtype not in (torch.float32, dtype) or len(lens) < 2:
         return None
-    if hd % LANES or cap % BLOCK:
+    if hd % LANES or cap % BLOCK or heads % kvh or heads // kvh * hd // LANES > MAX_SUMS:
         return None
     return RowsAttention(K, V, lens, width, scale, window)

@@ -38,12 +38,19 @@ def native_half_matmul(dtype: torch.dtype) -> bool:
 def half_tiles(dtype: torch.dtype) -> bool:
     """Whether this CPU has matrix tiles for the half dtype (AMX) besides native half products.
     There torch's own half kernels are fast for every part of a decode step: a half model keeps a
-    half decode mirror (SDPA's GQA form) and eager one-token steps. Elsewhere a half model's decode
-    attention reads a float32 mirror and its one-token steps run compiled (cpu_compiled.py):
-    measured on a 2-vCPU AMD EPYC with AVX-512-BF16 and no AMX (Zen 4; docs/BENCHMARKS.md, session
-    36), SDPA's GQA form over a bf16 mirror ran 4x slower than over float32 rows, and a lone
-    sequence decoded 2.4x faster compiled (11.3 against 26.7 ms a token for SmolLM2-135M)."""
+    half decode mirror (SDPA's GQA form) and eager one-token steps. Elsewhere (untiled_half) its
+    decode steps run compiled kernels: measured on a 2-vCPU AMD EPYC with AVX-512-BF16 and no AMX
+    (Zen 4; docs/BENCHMARKS.md, session 36), SDPA's GQA form over a bf16 mirror ran 4x slower than
+    over float32 rows, and a lone sequence decoded 2.4x faster compiled (11.3 against 26.7 ms a
+    token for SmolLM2-135M)."""
     return dtype in (torch.bfloat16, torch.float16) and native_half_matmul(dtype) and cpu_matrix_tiles(dtype)
+
+
+def untiled_half(dtype: torch.dtype) -> bool:
+    """A half dtype on a CPU without matrix tiles for it (half_tiles; with or without native half
+    products): the tier whose decode steps run compiled kernels (cpu_compiled.py,
+    cpu_rows_attention.py) and read the decode mirror at any context (cpu_attention.py)."""
+    return dtype in (torch.bfloat16, torch.float16) and not half_tiles(dtype)
 
 
 @dataclass(frozen=True)

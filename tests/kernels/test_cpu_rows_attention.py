@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from test_cpu_compiled import HAVE_CXX, compiled_keys, emulated_half  # noqa: F401 (autouse: as on an AVX2-only CPU)
 
 from arcserve import LLM, SamplingParams
-from arcserve.kernels import cpu_compiled, cpu_rows_attention, reference
+from arcserve.kernels import cpu_attention, cpu_compiled, cpu_rows_attention, reference
 
 KERNEL = cpu_rows_attention._attend
 
@@ -58,7 +58,7 @@ def test_rows_attention_matches_sdpa(dtype, heads, kvh, d, half):
         K, V = _mirror(3, rows, kvh, cap, d, g, dtype if half else torch.float32)
         lens = torch.tensor(lens)
         q = (torch.randn(n, heads, d, generator=g) * 2).to(dtype)
-        run = cpu_rows_attention.decode_attention(K, V, lens, int(lens.max()), dtype, 0.3, window)
+        run = cpu_rows_attention.decode_attention(K, V, lens, int(lens.max()), heads, dtype, 0.3, window)
         assert run is not None
         got = run(q, torch.tensor([1]))  # layer 1 of 3
         if not HAVE_CXX:
@@ -79,7 +79,7 @@ def test_rows_attention_keys_by_window_value():
     lens = torch.tensor([20, 90, 128])
     before = compiled_keys(KERNEL)
     for window in (None, 11, 11, 12, None):
-        run = cpu_rows_attention.decode_attention(K, V, lens, 128, torch.bfloat16, 0.25, window)
+        run = cpu_rows_attention.decode_attention(K, V, lens, 128, 4, torch.bfloat16, 0.25, window)
         got = run(q, torch.tensor([0]))
         if HAVE_CXX:
             torch.testing.assert_close(got.float(), _sdpa(q, K[0], V[0], lens, window, 0.25), rtol=8e-3, atol=8e-3)
@@ -88,19 +88,20 @@ def test_rows_attention_keys_by_window_value():
 
 
 def test_rows_attention_applies_where_its_sums_fit():
-    """None (the caller runs SDPA) for float32 queries, one row, a head size not a multiple of the
-    lanes; and at the call, nothing compiled, for more query heads a KV head than the sums fit."""
+    """None (the caller runs SDPA), nothing compiled, for float32 queries, one row, a head size not a
+    multiple of the lanes, more query heads a KV head than the sums fit, query heads that do not
+    group evenly on the KV heads."""
     g = torch.Generator().manual_seed(9)
     lens = torch.tensor([5, 9])
     K, V = _mirror(1, 2, 2, 128, 16, g)
-    assert cpu_rows_attention.decode_attention(K, V, lens, 9, torch.float32, 0.3, None) is None
-    assert cpu_rows_attention.decode_attention(K, V, lens[:1], 5, torch.bfloat16, 0.3, None) is None
+    assert cpu_rows_attention.decode_attention(K, V, lens, 9, 4, torch.float32, 0.3, None) is None
+    assert cpu_rows_attention.decode_attention(K, V, lens[:1], 5, 4, torch.bfloat16, 0.3, None) is None
     K8, V8 = _mirror(1, 2, 2, 128, 8, g)
-    assert cpu_rows_attention.decode_attention(K8, V8, lens, 9, torch.bfloat16, 0.3, None) is None
+    assert cpu_rows_attention.decode_attention(K8, V8, lens, 9, 4, torch.bfloat16, 0.3, None) is None
     before = dict(cpu_compiled._compiled)
-    run = cpu_rows_attention.decode_attention(K, V, lens, 9, torch.bfloat16, 0.3, None)
     wide = (cpu_rows_attention.MAX_SUMS + 1) * 2  # query heads: (MAX_SUMS + 1) a KV head of one 16-lane sum
-    assert run(torch.randn(2, wide, 16).bfloat16(), torch.tensor([0])) is None
+    assert cpu_rows_attention.decode_attention(K, V, lens, 9, wide, torch.bfloat16, 0.3, None) is None
+    assert cpu_rows_attention.decode_attention(K, V, lens, 9, 5, torch.bfloat16, 0.3, None) is None  # 5 on 2 KV heads
     assert cpu_compiled._compiled == before
 
 
@@ -124,3 +125,40 @@ def test_engine_compiles_the_rows_kernel_at_startup(llama_dir, monkeypatch):
     assert set(cpu_compiled._compiled) == startup  # nothing compiled while the requests ran
     assert len(calls) > 10 * len(fast.llm_engine.model.layers)  # the batch's decode steps took it
     assert all(c is not None for c in calls) == HAVE_CXX
+
+
+def test_a_failed_compile_falls_back_to_sdpa_within_the_step(monkeypatch):
+    """The many-rows kernel failing to compile at a step's first layer: that step and the next
+    run SDPA over the mirror (the plan leaves SDPA's mask out while the kernel is planned; the
+    failing step makes it), within bf16 rounding of the reference, sliding window included."""
+    from test_cpu_attention import BS, make_meta
+
+    kernel = cpu_compiled._kernel
+    failed = []
+
+    def broken(fn, args, dynamic=None, **static):
+        if fn is KERNEL:
+            failed.append(fn)
+            return None
+        return kernel(fn, args, dynamic, **static)
+
+    monkeypatch.setattr(cpu_compiled, "_kernel", broken)
+    g = torch.Generator().manual_seed(10)
+    kvh, heads, d, layers, nb, dtype, window = 2, 6, 16, 2, 40, torch.bfloat16, 5
+    kc = [torch.randn(nb, BS, kvh, d, generator=g).to(dtype) for _ in range(layers)]
+    vc = [torch.randn(nb, BS, kvh, d, generator=g).to(dtype) for _ in range(layers)]
+    mirror = cpu_attention.DecodeMirror(layers, kvh, d, dtype, torch.device("cpu"), 1 << 24)
+    tables = {0: list(range(0, 20)), 1: list(range(20, 40))}
+    for step, batch in enumerate(([(0, 0, 9), (1, 0, 6)], [(0, 9, 1), (1, 6, 1)], [(0, 10, 1), (1, 7, 1)])):
+        meta, ref_meta = make_meta(batch, tables, mirror), make_meta(batch, tables, None)
+        T = int(meta.host["query_start_loc"][-1])
+        for layer in range(layers):
+            q, k, v = (torch.randn(T, n, d, generator=g).to(dtype) for n in (heads, kvh, kvh))
+            reference.store_kv(k, v, kc[layer], vc[layer], meta.slot_mapping)
+            got = cpu_attention.paged_attention(
+                q, k, v, kc[layer], vc[layer], meta, 0.3, window, layer, rows=cpu_rows_attention.decode_attention)
+            want = reference.paged_attention(*[t.float() for t in (q, k, v, kc[layer], vc[layer])], ref_meta, 0.3, window)
+            torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=8e-3)
+        if step:  # the decode steps planned the kernel, which failed at their first layer only
+            assert meta.cache["mirror_plan"]["rows"] is None and meta.cache["mirror_plan"]["mask"] is not None
+    assert len(failed) == 2
