@@ -18,13 +18,21 @@ runs both through generic paths (measured on a 2-vCPU AVX2 AMD EPYC, docs/BENCHM
   their arithmetic each (after a product has streamed megabytes through the caches); compiled
   kernels replace them, and each half of a decoder layer around attention (kernels/blocks.py:
   pre_attention, post_attention) runs as one compiled call with its products. The per-group
-  kernels below serve the final norm, the LM head, and layers whose weights have no rows16 copy;
+  kernels below serve the final norm, the LM head, and layers whose weights have no rows16 copy,
+  and steps of many tokens (prefill chunks, decode batches), where the groups run between oneDNN's
+  products: there each group's token count is a symbolic size, one kernel for every count from 2
+  up (measured on a 2-vCPU Zen 4 EPYC, SmolLM2-135M, medians of interleaved runs: 64-sequence
+  decode steps 127.3 -> 117.5 ms, 2,048-token prefill steps 1,682 -> 1,570 ms; docs/BENCHMARKS.md,
+  session 38). Their lookup is by the arguments' exact layouts first (_EXACT: ~2 us a call
+  against ~8 for the symbolic key);
 - a single sequence's attention over its decode-mirror row (decode_attention) costs SDPA's
   fixed ~60-90 us a call at any short context; one compiled graph replaces it, the positions it
   reads a symbolic size, so the same kernel serves every context length.
 
 Rounding: the small-op groups are compiled with inductor's `emulate_precision_casts`, so they round
-where eager PyTorch rounds (the same bits as reference.py's ops); products accumulate in float32 and
+where eager PyTorch rounds (the same bits as reference.py's ops, at the token counts of the tests;
+at thousands of tokens torch's RMSNorm sums in another order, and a few values of a 2,048-token
+norm came out one bf16 ulp apart); products accumulate in float32 and
 round once to the activations' dtype, as torch's do (the summation order differs); attention
 sums in float32 and rounds once, as SDPA over a float32 mirror does (its order differs too).
 
@@ -56,6 +64,12 @@ log = logging.getLogger("arcserve")
 TILES = (32, 16)  # outputs side by side in the rows16 layout, widest that divides N first
 _compiled: dict = {}  # (name, dtype, shapes, static values) -> compiled callable
 _failed: list[str] = []  # the first compile error; non-empty turns the compiled path off
+# _compiled also finds the symbolic-size kernels by their arguments' exact layouts, under keys that
+# start with _EXACT: (_EXACT, fn, static values, each argument's (shape, strides, dtype)); at most
+# _EXACT_MAX of them (row counts and mirror layouts vary over a run: past that many, they are dropped)
+_EXACT = "exact layouts"
+_EXACT_MAX = 8192
+_exact_added = 0
 
 
 @functools.cache
@@ -69,10 +83,22 @@ def _one_token(x: torch.Tensor) -> bool:
     return x.shape[0] == 1 and not _failed and _applies(x.dtype)
 
 
-def _run(fn: Callable, args: tuple, **static):
+def _small_ops(x: torch.Tensor) -> bool:
+    """Whether the small-op groups over x's rows (tokens, any count) run compiled."""
+    return not _failed and _applies(x.dtype)
+
+
+def _rows(x: torch.Tensor, *more: int) -> dict[int, tuple[int, ...]] | None:
+    """_kernel's `dynamic` for a small-op group whose arguments 0 and `more` have x's rows (tokens):
+    None (plain shapes: a kernel specialized to one row) for one token, else those arguments' rows
+    symbolic (one kernel for every count from 2 up: the steps of many tokens)."""
+    return None if x.shape[0] == 1 else {i: (0,) for i in (0, *more)}
+
+
+def _run(fn: Callable, args: tuple, dynamic: dict[int, tuple[int, ...]] | None = None, **static):
     """fn(*args, **static) through its compiled kernel (_kernel); None when compiling fails (the
     caller runs the eager ops)."""
-    got = _kernel(fn, args, **static)
+    got = _kernel(fn, args, dynamic, **static)
     return None if got is None else got(*args)
 
 
@@ -83,6 +109,12 @@ def _kernel(fn: Callable, args: tuple, dynamic: dict[int, tuple[int, ...]] | Non
     few us per call on the per-token path): every call site passes the same layout for the same
     shapes (contiguous tensors, rope_cos_sin's views), and the compiled code asserts it."""
     if dynamic:
+        # first by the exact layouts (~2 us for five arguments, against ~8 us for the symbolic key:
+        # the multi-row small ops look their kernels up at every call)
+        exact = (_EXACT, fn, *static.values(), *[(a.shape, a.stride(), a.dtype) for a in args])
+        got = _compiled.get(exact)
+        if got is not None:
+            return got
         key = (fn, args[0].dtype, *static.values(), *(_shape_key(a, dynamic.get(i, ())) for i, a in enumerate(args)))
     else:  # (the per-op kernels' lookup, every call: plain shapes, ~4 us against ~15 us for ten arguments)
         key = (fn, args[0].dtype, *static.values(), *[a.shape for a in args])
@@ -96,7 +128,24 @@ def _kernel(fn: Callable, args: tuple, dynamic: dict[int, tuple[int, ...]] | Non
             _failed.append(f"{type(e).__name__}: {e}")
             log.warning("compiling a CPU decode kernel failed (%s); running the eager ops instead", _failed[0][:300])
             return None
+    if dynamic:
+        _remember_exact(exact, got)
     return got
+
+
+def kernels() -> set:
+    """The keys of the kernels compiled so far (not the entries that find them by exact layouts)."""
+    return {k for k in _compiled if k[0] is not _EXACT}
+
+
+def _remember_exact(exact: tuple, got: Callable) -> None:
+    global _exact_added
+    if _exact_added >= _EXACT_MAX:
+        for k in [k for k in _compiled if k[0] is _EXACT]:
+            del _compiled[k]
+        _exact_added = 0
+    _compiled[exact] = got
+    _exact_added += 1
 
 
 def _shape_key(a: torch.Tensor, dims: tuple[int, ...]) -> tuple:
@@ -203,8 +252,8 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # the first layer's norm (no residual yet) is one op: left to the reference
-    if residual is not None and _one_token(x):
-        got = _run(reference.fused_add_rms_norm, (x, residual, weight), eps=eps)
+    if residual is not None and _small_ops(x):
+        got = _run(reference.fused_add_rms_norm, (x, residual, weight), _rows(x, 1), eps=eps)
         if got is not None:
             return got[0], got[1]
     return reference.fused_add_rms_norm(x, residual, weight, eps)
@@ -219,12 +268,12 @@ def add_rms_norm_linear(
 
 
 def silu_mul_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    h = _run(reference.silu_and_mul, (x,)) if _one_token(x) else None
+    h = _run(reference.silu_and_mul, (x,), _rows(x)) if _small_ops(x) else None
     return reference.silu_mul_linear(x, weight, bias) if h is None else linear(h, weight, bias)
 
 
 def _norm_rope(qkv: torch.Tensor, *t: torch.Tensor, num_q: int, eps: float, neox: bool) -> tuple:
-    """q and k of qkv [1, heads, head_dim], per-head RMSNorm'd (when t starts with the two norm
+    """q and k of qkv [T, heads, head_dim], per-head RMSNorm'd (when t starts with the two norm
     weights) and rotated (t ends with rope_cos_sin's four tensors), each contiguous."""
     nkv = (qkv.shape[1] - num_q) // 2
     qk = qkv[:, : num_q + nkv]
@@ -237,10 +286,11 @@ def _norm_rope(qkv: torch.Tensor, *t: torch.Tensor, num_q: int, eps: float, neox
 def qkv_prepare(qkv: torch.Tensor, num_q: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
                 eps: float, rope: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                 neox: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """reference.qkv_prepare; for one token, q/k norm and RoPE run as one compiled kernel."""
-    if _one_token(qkv):
+    """reference.qkv_prepare, q/k norm and RoPE as one compiled kernel (any token count)."""
+    if _small_ops(qkv):
         norms = () if q_norm is None else (q_norm, k_norm)
-        got = _run(_norm_rope, (qkv, *norms, *rope), num_q=num_q, eps=eps, neox=neox)
+        rows = _rows(qkv, *range(1 + len(norms), 1 + len(norms) + len(rope)))  # (qkv and the rope tensors)
+        got = _run(_norm_rope, (qkv, *norms, *rope), rows, num_q=num_q, eps=eps, neox=neox)
         if got is not None:
             q, k = got
             v = qkv[:, q.shape[1] + k.shape[1] :]

@@ -93,6 +93,60 @@ def test_qkv_prepare_gives_the_eager_bits(qk_norm):
     check_compiled(cpu_compiled._norm_rope)
 
 
+def test_small_ops_of_many_tokens_run_one_kernel_for_every_count(monkeypatch):
+    """Steps of many tokens (prefill chunks, decode batches) take the small-op groups compiled too:
+    one kernel per group for every token count from 2 up (beside the one-token kernels), giving
+    the eager ops' bits at these sizes, and found again by the exact layouts without a compile."""
+    monkeypatch.setattr(cpu_compiled, "_compiled", {})
+    g = torch.Generator().manual_seed(2)
+    nq, nkv, d, dtype = 6, 2, 32, torch.bfloat16
+    w = (1 + torch.randn(96, generator=g) / 4).to(dtype)
+    norms = (1 + torch.randn(2, d, generator=g) / 4).to(dtype)
+    cos_sin = torch.randn(512, d, generator=g)
+    for t in (1, 2, 7, 37, 7):
+        x, r = (torch.randn(t, 96, generator=g) * 3).to(dtype), torch.randn(t, 96, generator=g).to(dtype)
+        for a, b in zip(cpu_compiled.fused_add_rms_norm(x, r, w, 1e-6), reference.fused_add_rms_norm(x, r, w, 1e-6)):
+            assert torch.equal(a, b)
+        gu = (torch.randn(t, 192, generator=g) * 2).to(dtype)
+        wl = (torch.randn(48, 96, generator=g) / 8).to(dtype)
+        assert torch.equal(cpu_compiled.silu_mul_linear(gu, wl), reference.silu_mul_linear(gu, wl))
+        qkv = torch.randn(t, nq + 2 * nkv, d, generator=g).to(dtype)
+        rope = reference.rope_cos_sin(cos_sin, torch.randint(0, 512, (t,), generator=g), dtype)
+        caches = [torch.zeros(8, 16, nkv, d, dtype=dtype) for _ in range(4)]
+        slots = torch.randperm(128, generator=g)[:t]
+        got = cpu_compiled.qkv_prepare(qkv, nq, *norms, 1e-6, rope, caches[0], caches[1], slots)
+        want = reference.qkv_prepare(qkv, nq, *norms, 1e-6, rope, caches[2], caches[3], slots)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    if HAVE_CXX:
+        for fn in (reference.fused_add_rms_norm, reference.silu_and_mul, cpu_compiled._norm_rope):
+            assert compiled_keys(fn) == 2, fn  # one token; every other count
+        layouts = len(cpu_compiled._compiled)
+        x, r = torch.randn(7, 96, generator=g).to(dtype), torch.randn(7, 96, generator=g).to(dtype)
+        cpu_compiled.fused_add_rms_norm(x, r, w, 1e-6)  # a count seen before: its entry found
+        assert len(cpu_compiled._compiled) == layouts
+    else:
+        assert cpu_compiled._failed
+
+
+def test_exact_layout_entries_are_bounded(monkeypatch):
+    """The entries that find symbolic-size kernels by their arguments' exact layouts are dropped
+    past _EXACT_MAX (the kernels stay)."""
+    monkeypatch.setattr(cpu_compiled, "_compiled", {})
+    monkeypatch.setattr(cpu_compiled, "_EXACT_MAX", 3)
+    monkeypatch.setattr(cpu_compiled, "_exact_added", 0)
+    w = torch.ones(16, dtype=torch.bfloat16)
+    for t in range(2, 9):
+        x = torch.randn(t, 16).to(torch.bfloat16)
+        cpu_compiled.fused_add_rms_norm(x, x, w, 1e-6)
+    exact = [k for k in cpu_compiled._compiled if k[0] is cpu_compiled._EXACT]
+    if HAVE_CXX:
+        assert 1 <= len(exact) <= 3 and len(cpu_compiled.kernels()) == 1
+        assert exact[-1][3][0] == (8, 16)  # the latest layout is kept (x, after _EXACT, fn and eps)
+    else:
+        assert not exact and cpu_compiled._failed
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n, tile", [(80, 16), (96, 32)])  # the widest tile that divides the outputs
 def test_one_token_product_over_rows16(dtype, n, tile):

@@ -115,7 +115,7 @@ def test_the_one_token_kernels_compile_at_startup(three_layer_dirs, monkeypatch)
     monkeypatch.setattr(cpu_compiled, "_compiled", {})  # (not the kernels earlier tests compiled)
     model_dir = three_layer_dirs["qwen3"]
     llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=256, seed=0, num_kv_blocks=64, max_num_seqs=4)
-    kernels = set(cpu_compiled._compiled)
+    kernels = cpu_compiled.kernels()
     runner = llm.llm_engine.runner
     assert not runner.kv.any() and not runner.decode_mirror.ids  # the warm-up's K/V zeroed, its row dropped
     assert not any(a.any() for a in runner.decode_mirror.arena)
@@ -127,7 +127,7 @@ def test_the_one_token_kernels_compile_at_startup(three_layer_dirs, monkeypatch)
     assert runner.decode_mirror.k.shape != layout  # 4 rows: it grew (the last request then decoded alone)
     if HAVE_CXX:
         assert compiled_keys(cpu_layer._layer) == 1  # one graph for every layer, the first one's included
-        assert set(cpu_compiled._compiled) == kernels
+        assert cpu_compiled.kernels() == kernels
     else:
         assert not cpu_compiled._compiled and cpu_compiled._failed
     want = decode(model_dir, True, prompt=10)

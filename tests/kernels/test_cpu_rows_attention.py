@@ -98,11 +98,11 @@ def test_rows_attention_applies_where_its_sums_fit():
     assert cpu_rows_attention.decode_attention(K, V, lens[:1], 5, 4, torch.bfloat16, 0.3, None) is None
     K8, V8 = _mirror(1, 2, 2, 128, 8, g)
     assert cpu_rows_attention.decode_attention(K8, V8, lens, 9, 4, torch.bfloat16, 0.3, None) is None
-    before = dict(cpu_compiled._compiled)
+    before = cpu_compiled.kernels()
     wide = (cpu_rows_attention.MAX_SUMS + 1) * 2  # query heads: (MAX_SUMS + 1) a KV head of one 16-lane sum
     assert cpu_rows_attention.decode_attention(K, V, lens, 9, wide, torch.bfloat16, 0.3, None) is None
     assert cpu_rows_attention.decode_attention(K, V, lens, 9, 5, torch.bfloat16, 0.3, None) is None  # 5 on 2 KV heads
-    assert cpu_compiled._compiled == before
+    assert cpu_compiled.kernels() == before
 
 
 def test_engine_compiles_the_rows_kernel_at_startup(llama_dir, monkeypatch):
@@ -116,13 +116,13 @@ def test_engine_compiles_the_rows_kernel_at_startup(llama_dir, monkeypatch):
     fast = LLM(str(llama_dir), dtype="bfloat16", max_model_len=128)
     if HAVE_CXX:
         assert compiled_keys(KERNEL) == 1 and not cpu_compiled._failed
-    startup = set(cpu_compiled._compiled)
+    startup = cpu_compiled.kernels()
     calls = []
     monkeypatch.setattr(cpu_rows_attention.RowsAttention, "__call__",
                         lambda self, *a, call=cpu_rows_attention.RowsAttention.__call__: calls.append(call(self, *a)) or calls[-1])  # fmt: skip
     got = [o.outputs[0].token_ids for o in fast.generate(prompts, greedy, use_tqdm=False)]
     assert got == want
-    assert set(cpu_compiled._compiled) == startup  # nothing compiled while the requests ran
+    assert cpu_compiled.kernels() == startup  # nothing compiled while the requests ran
     assert len(calls) > 10 * len(fast.llm_engine.model.layers)  # the batch's decode steps took it
     assert all(c is not None for c in calls) == HAVE_CXX
 
