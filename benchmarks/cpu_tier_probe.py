@@ -1,4 +1,4 @@
-"""What decides a CPU's tier (reference.half_tiles, docs/ARCHITECTURE.md): SmolLM2-135M's shapes on
+"""What decides a CPU's tier (reference.native_half_matmul, docs/ARCHITECTURE.md): SmolLM2-135M's shapes on
 this CPU, two threads unless OMP_NUM_THREADS says otherwise.
 
     python benchmarks/cpu_tier_probe.py products   # 30 layers' four products: bf16 F.linear, oneDNN

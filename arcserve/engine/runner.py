@@ -264,7 +264,7 @@ class ModelRunner:
 
     def warm_up_length(self) -> int | None:
         """The context length of the one-token step warm_up runs (ops.warm_up_length: half models on
-        CPUs without half matrix tiles; None elsewhere)."""
+        the CPU; None elsewhere)."""
         return self.model.ops.warm_up_length(self.model.dtype, self.max_model_len)
 
     @torch.inference_mode()

@@ -11,14 +11,14 @@ The paged cache stays the source of truth (prefix caching, preemption); the mirr
 bounded by `max_bytes` (beyond that, decode falls back to gathering). Prefill chunks use the
 reference path.
 
-On CPUs without half matrix tiles (reference.half_tiles: AVX2-only, or AVX-512-BF16 without AMX),
-a half model's decode attention runs through the compiled kernels get_ops binds instead of SDPA,
-where they apply: `one_row` (cpu_compiled.decode_attention) for a step decoding one sequence,
-`rows` (cpu_rows_attention.decode_attention) for more; SDPA's rows form otherwise. There the mirror
-is used at any context. Where the CPU has no native half products (AVX2-only) a bf16/fp16 cache
+A half model's decode attention (reference.compiled_half) runs through the compiled kernels
+get_ops binds instead of SDPA, where they apply: `one_row` (cpu_compiled.decode_attention) for a
+step decoding one sequence, `rows` (cpu_rows_attention.decode_attention) for more; SDPA otherwise
+(its GQA form on CPUs with half matrix tiles, AMX; the rows form elsewhere). There the mirror is
+used at any context. Where the CPU has no native half products (AVX2-only) a bf16/fp16 cache
 gets a float32 mirror: torch's half attention is slow there (SDPA at one query over 100 positions,
-SmolLM2's heads: ~150 us in bf16, ~35 us in float32). With native half products but no tiles
-(AVX-512-BF16, e.g. Zen 4) the mirror keeps the cache's dtype: the kernels read half the bytes
+SmolLM2's heads: ~150 us in bf16, ~35 us in float32). With native half products (AVX-512-BF16,
+e.g. Zen 4, or AMX) the mirror keeps the cache's dtype: the kernels read half the bytes
 (the 64-request benchmark ~4% faster than over a float32 mirror, docs/BENCHMARKS.md, session 37)
 and SDPA's rows form runs as fast over bf16 rows as over float32 ones there.
 """
@@ -37,8 +37,9 @@ from arcserve.kernels.reference import AttentionMetadata
 
 _GROW = 128  # capacity granularity in tokens
 # Below this many context tokens across the step's decoders, gathering is cheaper than the mirror's
-# bookkeeping when the mirror keeps the cache's dtype (measured on SmolLM2: single short decodes ran
-# ~10% slower through the mirror). A float32 mirror of a half cache is used at any context.
+# bookkeeping for float32 models (measured on SmolLM2 with a bf16 mirror read by SDPA: single short
+# decodes ran ~10% slower through the mirror). Half models' mirrors are used at any context: their
+# compiled kernels read them (reference.compiled_half).
 MIN_MIRROR_CONTEXT = 1024
 
 
@@ -64,12 +65,13 @@ class DecodeMirror:
         self.shape = (num_layers, kv_heads, head_dim)
         self.dtype = mirror_dtype(dtype)
         self.device, self.max_bytes, self.max_rows, self.max_len = device, max_bytes, max_rows, max_len
-        self.min_context = 0 if reference.untiled_half(dtype) else MIN_MIRROR_CONTEXT
+        self.min_context = 0 if reference.compiled_half(dtype) else MIN_MIRROR_CONTEXT
         self.gqa_form = reference.half_tiles(dtype)
-        # gqa_form: SDPA's GQA form over a half mirror on CPUs with half matrix tiles: measured on a
-        # 2-vCPU AVX-512/AMX Xeon, 64 sequences x ~400 positions of SmolLM2's heads, ~2.1 ms per
-        # layer against ~2.5-3.2 ms with the query heads as rows (the rows form); the 64-request
-        # benchmark +14%. Elsewhere the rows form, the faster one there (4x in bf16 on a Zen 4).
+        # gqa_form: SDPA's GQA form over a half mirror on CPUs with half matrix tiles, for the
+        # batches the compiled kernels leave to SDPA (and enforce_eager): measured on a 2-vCPU
+        # AVX-512/AMX Xeon, 64 sequences x ~400 positions of SmolLM2's heads, ~2.1 ms per layer
+        # against ~2.5-3.2 ms with the query heads as rows (the rows form). Elsewhere the rows
+        # form, the faster one there (4x in bf16 on a Zen 4).
         self.k: torch.Tensor | None = None  # [layers, rows, kvh, cap, hd], a view of the arena
         self.v: torch.Tensor | None = None
         self.ids: list[int] = []  # seq id held by each row

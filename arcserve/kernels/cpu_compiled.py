@@ -1,8 +1,8 @@
-"""One-token (batch-1 decode) CPU kernels compiled by PyTorch's inductor, for bf16/fp16 models on
-CPUs without half matrix tiles (reference.half_tiles): AVX2-only CPUs, where torch emulates half
-products (reference.EmulatedHalfWeight), and AVX-512-BF16 CPUs without AMX (e.g. AMD Zen 4), where a
-lone sequence decoded 2.4x faster through these kernels than through oneDNN's bf16 products and
-the eager ops (docs/BENCHMARKS.md, session 36).
+"""One-token (batch-1 decode) CPU kernels compiled by PyTorch's inductor, for bf16/fp16 models
+(reference.compiled_half): on AVX2-only CPUs, where torch emulates half products
+(reference.EmulatedHalfWeight), and on CPUs with native half products, where a lone sequence
+decoded faster through these kernels than through oneDNN's bf16 products and the eager ops: 2.4x
+on a Zen 4 (AVX-512-BF16, docs/BENCHMARKS.md, session 36), 1.3-1.9x on an AMX Xeon (session 39).
 
 There, a one-token decode step is ~120 matrix-vector products plus ~1,000 small ops, and torch
 runs both through generic paths (measured on a 2-vCPU AVX2 AMD EPYC, docs/BENCHMARKS.md):
@@ -74,9 +74,9 @@ _exact_added = 0
 
 @functools.cache
 def _applies(dtype: torch.dtype) -> bool:
-    """Whether half models in `dtype` take the compiled steps here (reference.untiled_half; cached:
-    asked at every one-token op)."""
-    return reference.untiled_half(dtype)
+    """Whether models in `dtype` take the compiled steps (reference.compiled_half; cached: asked at
+    every one-token op)."""
+    return reference.compiled_half(dtype)
 
 
 def _one_token(x: torch.Tensor) -> bool:
@@ -448,7 +448,7 @@ def decode_attention(K: torch.Tensor, V: torch.Tensor, length: int, dtype: torch
     """For a step decoding one sequence over the first `length` positions of row 0 of the KV
     buffers K, V (cpu_attention.DecodeMirror's: float32, or the queries' `dtype`): the step's attention
     (OneRowAttention), decided here once per step, in place of SDPA. None where it does not apply
-    (the caller runs SDPA): not a half model on a CPU without half matrix tiles (_applies)."""
+    (the caller runs SDPA): not a half model (_applies)."""
     if _failed or not _applies(dtype) or K.dtype not in (torch.float32, dtype):
         return None
     return OneRowAttention(K, V, length, scale)

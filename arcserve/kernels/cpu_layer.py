@@ -1,4 +1,4 @@
-"""A step that decodes one sequence, on a CPU without half matrix tiles: each decoder layer as
+"""A step that decodes one sequence of a half model on the CPU: each decoder layer as
 one compiled call (cpu_compiled's pre_attention arithmetic, the one-row attention over the decode
 mirror, post_attention's arithmetic), and the step's new K/V written for every layer at once.
 

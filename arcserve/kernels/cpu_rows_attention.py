@@ -1,6 +1,6 @@
 """Decode attention of many sequences at once over the decode mirror (cpu_attention.DecodeMirror,
-float32 or the model's half dtype), compiled by inductor, for half models on CPUs without half matrix
-tiles: the tier whose one-token steps run compiled (cpu_compiled._applies).
+float32 or the model's half dtype), compiled by inductor, for half models: the tier whose one-token
+steps run compiled (cpu_compiled._applies).
 
 SDPA over the mirror (the rows form: each KV head's query heads as its query rows) reads every row
 to the step's longest, the rest masked, and its CPU kernel runs far below the memory's speed at a
@@ -99,8 +99,8 @@ def decode_attention(K: torch.Tensor, V: torch.Tensor, lens: torch.Tensor, width
     """For a step decoding len(lens) >= 2 sequences (`heads` queries each, in `dtype`) over the KV buffers K, V
     (float32 or `dtype`; rows 0.. of cpu_attention.DecodeMirror's, row i's first lens[i] positions valid, `width`
     the longest): the step's attention (RowsAttention), decided once per step, in place of SDPA.
-    None where it does not apply (the caller runs SDPA): not a half model on a CPU without half
-    matrix tiles (cpu_compiled._applies), one row, a head size not a multiple of LANES, more query
+    None where it does not apply (the caller runs SDPA): not a half model (cpu_compiled._applies),
+    one row, a head size not a multiple of LANES, more query
     heads a KV head than the kernel's sums fit (MAX_SUMS)."""
     kvh, cap, hd = K.shape[2:]
     if cpu_compiled._failed or not cpu_compiled._applies(dtype) or K.dtype not in (torch.float32, dtype) or len(lens) < 2:

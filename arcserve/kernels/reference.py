@@ -37,20 +37,21 @@ def native_half_matmul(dtype: torch.dtype) -> bool:
 
 def half_tiles(dtype: torch.dtype) -> bool:
     """Whether this CPU has matrix tiles for the half dtype (AMX) besides native half products.
-    There torch's own half kernels are fast for every part of a decode step: a half model keeps a
-    half decode mirror (SDPA's GQA form) and eager one-token steps. Elsewhere (untiled_half) its
-    decode steps run compiled kernels: measured on a 2-vCPU AMD EPYC with AVX-512-BF16 and no AMX
-    (Zen 4; docs/BENCHMARKS.md, session 36), SDPA's GQA form over a bf16 mirror ran 4x slower than
-    over float32 rows, and a lone sequence decoded 2.4x faster compiled (11.3 against 26.7 ms a
-    token for SmolLM2-135M)."""
+    Only the form of SDPA over a half decode mirror depends on it (cpu_attention.DecodeMirror's
+    gqa_form: the query heads as SDPA's GQA, the faster form there), for the decode batches that
+    the compiled attention kernels leave to SDPA."""
     return dtype in (torch.bfloat16, torch.float16) and native_half_matmul(dtype) and cpu_matrix_tiles(dtype)
 
 
-def untiled_half(dtype: torch.dtype) -> bool:
-    """A half dtype on a CPU without matrix tiles for it (half_tiles; with or without native half
-    products): the tier whose decode steps run compiled kernels (cpu_compiled.py,
-    cpu_rows_attention.py) and read the decode mirror at any context (cpu_attention.py)."""
-    return dtype in (torch.bfloat16, torch.float16) and not half_tiles(dtype)
+def compiled_half(dtype: torch.dtype) -> bool:
+    """A half dtype, whose models take the compiled CPU tier (cpu_compiled.py, cpu_rows_attention.py)
+    and read the decode mirror at any context (cpu_attention.py), whatever the CPU's half
+    products: AVX2-only CPUs (emulated), AVX-512-BF16 ones (e.g. Zen 4) and AMX Xeons alike. On
+    AMX, where torch's own half kernels and eager one-token steps served until session 39, the tier
+    measured on two cores of a Xeon host, SmolLM2-135M's shape, 64 requests: +9% to +36% out
+    tok/s, a lone sequence 1.3-1.9x faster (docs/BENCHMARKS.md, session 39); on a 2-vCPU Zen 4 the
+    eager one-token step ran 2.4x slower than compiled (session 36)."""
+    return dtype in (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class EmulatedHalfWeight:
     `batched` is None when memory was short for the copy: every product then takes `half`.
     `rows16`, when set, is `half` in the layout of cpu_compiled's one-token product (this module
     does not use it).
-    On a CPU with native half products but no matrix tiles (half_tiles), cpu_compiled keeps a half
+    On a CPU with native half products, cpu_compiled keeps a half
     model's weights as this too: `half` None, `batched` oneDNN's packed half tensor (every row count
     but the compiled one-token steps'), and `rows16`."""
 

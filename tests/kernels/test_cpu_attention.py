@@ -39,16 +39,16 @@ def make_meta(batch, block_tables, mirror):
 
 @pytest.mark.parametrize("native,tiles", [(True, True), (True, False), (False, False)])
 def test_mirror_dtype_follows_the_cpu(native, tiles, monkeypatch):
-    """A half cache keeps a half mirror where the CPU multiplies halves natively: with matrix tiles
-    for them (AMX) used from MIN_MIRROR_CONTEXT through SDPA's GQA form, without (AVX-512-BF16, e.g.
-    Zen 4) at any context in the rows form (the compiled kernels read it); a CPU without native half
-    products (AVX2-only) gets a float32 one, used at any context; a float32 cache always mirrors in
-    float32, from MIN_MIRROR_CONTEXT."""
+    """A half cache keeps a half mirror where the CPU multiplies halves natively, used at any context
+    (the compiled kernels read it), its SDPA fallback in the GQA form with matrix tiles for them
+    (AMX), in the rows form without (AVX-512-BF16, e.g. Zen 4); a CPU without native half products
+    (AVX2-only) gets a float32 one, used at any context; a float32 cache always mirrors in float32,
+    from MIN_MIRROR_CONTEXT."""
     monkeypatch.setattr(reference, "native_half_matmul", lambda dtype: native)
     monkeypatch.setattr(reference, "cpu_matrix_tiles", lambda dtype: tiles)
     half = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.bfloat16, torch.device("cpu"), 1 << 20)
     assert half.dtype == (torch.bfloat16 if native else torch.float32)
-    assert half.min_context == (cpu_attention.MIN_MIRROR_CONTEXT if native and tiles else 0)
+    assert half.min_context == 0
     assert half.gqa_form == (native and tiles)  # SDPA's GQA form over half mirrors of tiled CPUs only
     full = cpu_attention.DecodeMirror(LAYERS, KVH, D, torch.float32, torch.device("cpu"), 1 << 20)
     assert full.dtype == torch.float32 and full.min_context == cpu_attention.MIN_MIRROR_CONTEXT
@@ -72,10 +72,11 @@ def test_mirror_dtype_follows_the_cpu(native, tiles, monkeypatch):
      (17, None, 1 << 30, torch.bfloat16, "products", True, True, "rows"), (18, 7, 1 << 30, torch.bfloat16, False, "grain", False, "rows"),
      (19, None, 2 * LAYERS * KVH * D * 4 * 5 * 24, torch.bfloat16, "products", True, True, "rows"),
      (20, 7, 1 << 30, torch.bfloat16, False, True, True, torch.float8_e4m3fn),
-     (21, 7, 1 << 30, torch.bfloat16, "products", "grain", True, torch.float8_e5m2)]
+     (21, 7, 1 << 30, torch.bfloat16, "products", "grain", True, torch.float8_e5m2),
+     (22, None, 1 << 30, torch.bfloat16, True, True, False, "rows")]
 )  # fmt: skip
 def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dtype, native, sizing, prefault,
-                                                         cache, monkeypatch, request):  # fmt: skip
+                                                         cache, monkeypatch):  # fmt: skip
     """bf16 against the reference in float32 on the same bf16 values (outputs differ by their rounding
     to bf16 only): native=False, the float32 mirror of a CPU without native half products (AVX2-only);
     "products", a bf16 mirror in the rows form (native half products, no matrix tiles: Zen 4);
@@ -87,14 +88,12 @@ def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dt
     growth moves rows within memory the old layout also uses). cache: an 8-bit paged cache
     (kv_cache_dtype fp8*): the mirror holds the model dtype, and what it appends is rounded as the
     paged cache rounds it; "rows": a bf16 cache whose decode batches of two or more rows take the
-    compiled kernel (cpu_rows_attention.py), as the engine binds it on CPUs without half matrix
-    tiles (the last case too, over an 8-bit cache)."""
+    compiled kernel (cpu_rows_attention.py), as the engine binds it for half models (over an 8-bit
+    cache too, and on a CPU with tiles, whose SDPA form the kernel replaces)."""
     monkeypatch.setattr(cpu_attention, "MIN_MIRROR_CONTEXT", 1)  # tiny contexts: always mirror
     tiles = native is True
     monkeypatch.setattr(reference, "half_tiles", lambda dtype: tiles)
     monkeypatch.setattr(reference, "native_half_matmul", lambda dtype: native is not False)
-    cpu_compiled._applies.cache_clear()  # (it caches what half_tiles said)
-    request.addfinalizer(cpu_compiled._applies.cache_clear)
     ran: list[bool] = []  # each layer's outcome of the rows kernel, where the case binds it
 
     def rows_kernel(*args):

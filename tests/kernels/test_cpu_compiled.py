@@ -211,18 +211,18 @@ def test_enforce_eager_keeps_the_eager_ops():
     assert get_ops("torch", torch.device("cpu"), compiled=False).decoder_layer.func is blocks.decoder_layer
 
 
-@pytest.mark.parametrize("native", [False, True] if NATIVE_BF16 else [False])
+@pytest.mark.parametrize("native", [False, "products", "tiles"] if NATIVE_BF16 else [False])
 def test_engine_decodes_the_same_tokens_compiled_and_eager(llama_dir, monkeypatch, native):
     """A bf16 model decoding one request: the compiled one-token path gives the eager path's tokens.
-    native: as on a CPU with native bf16 products but no matrix tiles (AVX-512-BF16 without AMX,
-    e.g. AMD Zen 4; where this CPU has the products): oneDNN's packed bf16 weights serve every other
-    row count, beside the rows16 copies, and the decode mirror keeps bf16; else the float32 copies
-    and float32 mirror of an AVX2-only CPU."""
+    native: as on a CPU with native bf16 products (where this CPU has them), without matrix tiles
+    ("products": AVX-512-BF16 without AMX, e.g. AMD Zen 4) or with them ("tiles": AMX, which takes
+    the same compiled tier): oneDNN's packed bf16 weights serve every other row count, beside the
+    rows16 copies, and the decode mirror keeps bf16; else the float32 copies and float32 mirror of
+    an AVX2-only CPU."""
     monkeypatch.setattr(cpu_compiled, "_compiled", {})  # (not the kernels earlier tests compiled)
     if native:
         monkeypatch.setattr(reference, "native_half_matmul", lambda dtype: True)
-        monkeypatch.setattr(reference, "cpu_matrix_tiles", lambda dtype: False)
-        cpu_compiled._applies.cache_clear()
+        monkeypatch.setattr(reference, "cpu_matrix_tiles", lambda dtype: native == "tiles")
     prompt = {"prompt_token_ids": [5, 17, 33, 101, 7, 64, 250, 12, 3]}
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     eager = LLM(str(llama_dir), dtype="bfloat16", max_model_len=128, enforce_eager=True)
@@ -231,8 +231,10 @@ def test_engine_decodes_the_same_tokens_compiled_and_eager(llama_dir, monkeypatc
     fast = LLM(str(llama_dir), dtype="bfloat16", max_model_len=128)
     gate_up = fast.llm_engine.model.layers[0].gate_up
     assert isinstance(gate_up, reference.EmulatedHalfWeight) and gate_up.rows16 is not None
-    assert (gate_up.half is None) == native and gate_up.batched.dtype == (torch.bfloat16 if native else torch.float32)
-    assert fast.llm_engine.runner.decode_mirror.dtype == (torch.bfloat16 if native else torch.float32)
+    assert (gate_up.half is None) == bool(native) and gate_up.batched.dtype == (torch.bfloat16 if native else torch.float32)
+    mirror = fast.llm_engine.runner.decode_mirror
+    assert mirror.dtype == (torch.bfloat16 if native else torch.float32) and mirror.min_context == 0
+    assert mirror.gqa_form == (native == "tiles")  # (SDPA's form where the kernels leave it a batch)
     whole = []  # layers the request's steps ran as one compiled call (not the startup warm-up's)
     run = cpu_layer._run
     monkeypatch.setattr(cpu_layer, "_run", lambda *args: whole.append(run(*args)) or whole[-1])

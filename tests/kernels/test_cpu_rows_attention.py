@@ -1,5 +1,5 @@
 """cpu_rows_attention: decode attention of many mirror rows compiled by inductor (half models on
-CPUs without half matrix tiles). It must give SDPA's result over the same rows within the output
+the CPU). It must give SDPA's result over the same rows within the output
 dtype's rounding, at every row count, length, sliding window and layout of the mirror, from one
 kernel per model shape; the engine must compile it at startup. Without a C++ compiler on the
 machine, the fallback (SDPA) is what runs. Tests of the kernel inside the mirror over changing
