@@ -28,7 +28,6 @@ def main() -> None:
     from arcserve.kernels.reference import AttentionMetadata
 
     reference.native_half_matmul = lambda dtype: False  # as on an AVX2-only CPU, whatever this one has
-    cpu_compiled._applies.cache_clear()
     layers, heads, kvh, d, bs, dtype = 30, 9, 3, 64, 16, torch.bfloat16
     nb = -(-max(a.lengths) - a.steps - 4) // bs + 2
     torch.manual_seed(0)

@@ -54,7 +54,7 @@ def get_ops(kernels: str, device: torch.device, compiled: bool = True) -> Simple
     composed = dict(pre_attention=blocks.pre_attention, post_attention=blocks.post_attention,
                     decoder_layer=blocks.decoder_layer)  # fmt: skip
     if cpu and name == "torch" and compiled:
-        # one-token steps of half models (cpu_compiled._applies), and their decode
+        # one-token steps of half models (reference.compiled_half), and their decode
         # attention over many rows: compiled kernels
         ops.update(
             linear=cpu_compiled.linear,

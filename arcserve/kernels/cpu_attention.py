@@ -135,7 +135,7 @@ class DecodeMirror:
 
         Each layer gets one element more than max_bytes allows the layouts, so that every layout is
         a view of the start of its layer's storage, never all of it: the compiled one-row kernels
-        (cpu_compiled._shape_key) then take every layout with one kernel."""
+        (cpu_inductor._shape_key) then take every layout with one kernel."""
         L, size = self.shape[0], self.dtype.itemsize
         n = self.max_bytes // (2 * L * size) + 1
         if prefault:

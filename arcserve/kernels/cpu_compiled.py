@@ -23,7 +23,7 @@ runs both through generic paths (measured on a 2-vCPU AVX2 AMD EPYC, docs/BENCHM
   products: there each group's token count is a symbolic size, one kernel for every count from 2
   up (measured on a 2-vCPU Zen 4 EPYC, SmolLM2-135M, medians of interleaved runs: 64-sequence
   decode steps 127.3 -> 117.5 ms, 2,048-token prefill steps 1,682 -> 1,570 ms; docs/BENCHMARKS.md,
-  session 38). Their lookup is by the arguments' exact layouts first (_EXACT: ~2 us a call
+  session 38). Their lookup is by the arguments' exact layouts first (cpu_inductor._EXACT: ~2 us a call
   against ~8 for the symbolic key);
 - a single sequence's attention over its decode-mirror row (decode_attention) costs SDPA's
   fixed ~60-90 us a call at any short context; one compiled graph replaces it, the positions it
@@ -36,176 +36,38 @@ norm came out one bf16 ulp apart); products accumulate in float32 and
 round once to the activations' dtype, as torch's do (the summation order differs); attention
 sums in float32 and rounds once, as SDPA over a float32 mirror does (its order differs too).
 
-Graphs are traced with make_fx and compiled by inductor's compile_fx directly: torch.compile's frame
-guards cost ~100 us per call here, more than these kernels (and compile_fx's own wrappers ~12 us,
-see _direct). Each shape compiles once per process, and the engine compiles them at startup
-(ModelRunner.warm_up: one one-token step, whose kernels serve every context length and mirror
-layout, except a mirror of one row, whose kernels a later layout of more rows does not share; on
-a 2-vCPU AVX2 EPYC, SmolLM2-135M, ~25-28 s with an empty inductor cache, ~7 s with it warm, most
-of that importing inductor). If compiling fails (no C++ compiler, an inductor change), the
-compiled path turns itself off with a warning and the eager ops run. `enforce_eager=True`
-(`--enforce-eager`) keeps the eager ops from the start.
+The compiling and the lookup of the kernels: cpu_inductor.py (compiled at startup by
+ModelRunner.warm_up; a failed compile turns the compiled path off and the eager ops run;
+`enforce_eager=True`, `--enforce-eager`, keeps the eager ops from the start).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import logging
 from collections.abc import Callable
 
 import torch
 
-from arcserve.kernels import blocks, reference
+from arcserve.kernels import blocks, cpu_inductor, reference
 from arcserve.kernels.reference import EmulatedHalfWeight
 
-log = logging.getLogger("arcserve")
-
 TILES = (32, 16)  # outputs side by side in the rows16 layout, widest that divides N first
-_compiled: dict = {}  # (name, dtype, shapes, static values) -> compiled callable
-_failed: list[str] = []  # the first compile error; non-empty turns the compiled path off
-# _compiled also finds the symbolic-size kernels by their arguments' exact layouts, under keys that
-# start with _EXACT: (_EXACT, fn, static values, each argument's (shape, strides, dtype)); at most
-# _EXACT_MAX of them (row counts and mirror layouts vary over a run: past that many, they are dropped)
-_EXACT = "exact layouts"
-_EXACT_MAX = 8192
-_exact_added = 0
-
-
-@functools.cache
-def _applies(dtype: torch.dtype) -> bool:
-    """Whether models in `dtype` take the compiled steps (reference.compiled_half; cached: asked at
-    every one-token op)."""
-    return reference.compiled_half(dtype)
 
 
 def _one_token(x: torch.Tensor) -> bool:
-    return x.shape[0] == 1 and not _failed and _applies(x.dtype)
+    return x.shape[0] == 1 and not cpu_inductor.failed and reference.compiled_half(x.dtype)
 
 
 def _small_ops(x: torch.Tensor) -> bool:
     """Whether the small-op groups over x's rows (tokens, any count) run compiled."""
-    return not _failed and _applies(x.dtype)
+    return not cpu_inductor.failed and reference.compiled_half(x.dtype)
 
 
 def _rows(x: torch.Tensor, *more: int) -> dict[int, tuple[int, ...]] | None:
-    """_kernel's `dynamic` for a small-op group whose arguments 0 and `more` have x's rows (tokens):
+    """cpu_inductor.kernel's `dynamic` for a small-op group whose arguments 0 and `more` have x's rows (tokens):
     None (plain shapes: a kernel specialized to one row) for one token, else those arguments' rows
     symbolic (one kernel for every count from 2 up: the steps of many tokens)."""
     return None if x.shape[0] == 1 else {i: (0,) for i in (0, *more)}
-
-
-def _run(fn: Callable, args: tuple, dynamic: dict[int, tuple[int, ...]] | None = None, **static):
-    """fn(*args, **static) through its compiled kernel (_kernel); None when compiling fails (the
-    caller runs the eager ops)."""
-    got = _kernel(fn, args, dynamic, **static)
-    return None if got is None else got(*args)
-
-
-def _kernel(fn: Callable, args: tuple, dynamic: dict[int, tuple[int, ...]] | None = None, **static) -> Callable | None:
-    """The compiled kernel of fn(*args, **static), compiled on first use for these shapes,
-    dtype and static values; None when compiling fails. dynamic: {argument index: its dimensions
-    that the kernel takes at any size from 2 up} (see _shape_key). The key leaves strides out (a
-    few us per call on the per-token path): every call site passes the same layout for the same
-    shapes (contiguous tensors, rope_cos_sin's views), and the compiled code asserts it."""
-    if dynamic:
-        # first by the exact layouts (~2 us for five arguments, against ~8 us for the symbolic key:
-        # the multi-row small ops look their kernels up at every call)
-        exact = (_EXACT, fn, *static.values(), *[(a.shape, a.stride(), a.dtype) for a in args])
-        got = _compiled.get(exact)
-        if got is not None:
-            return got
-        key = (fn, args[0].dtype, *static.values(), *(_shape_key(a, dynamic.get(i, ())) for i, a in enumerate(args)))
-    else:  # (the per-op kernels' lookup, every call: plain shapes, ~4 us against ~15 us for ten arguments)
-        key = (fn, args[0].dtype, *static.values(), *[a.shape for a in args])
-    got = _compiled.get(key)
-    if got is None:
-        if _failed:
-            return None
-        try:
-            got = _compiled[key] = _direct(_compile(functools.partial(fn, **static), args, dynamic or {}), args)
-        except Exception as e:  # noqa: BLE001 (any compiler failure: fall back to the eager ops)
-            _failed.append(f"{type(e).__name__}: {e}")
-            log.warning("compiling a CPU decode kernel failed (%s); running the eager ops instead", _failed[0][:300])
-            return None
-    if dynamic:
-        _remember_exact(exact, got)
-    return got
-
-
-def kernels() -> set:
-    """The keys of the kernels compiled so far (not the entries that find them by exact layouts)."""
-    return {k for k in _compiled if k[0] is not _EXACT}
-
-
-def _remember_exact(exact: tuple, got: Callable) -> None:
-    global _exact_added
-    if _exact_added >= _EXACT_MAX:
-        for k in [k for k in _compiled if k[0] is _EXACT]:
-            del _compiled[k]
-        _exact_added = 0
-    _compiled[exact] = got
-    _exact_added += 1
-
-
-def _shape_key(a: torch.Tensor, dims: tuple[int, ...]) -> tuple:
-    """a's part of a kernel's key: its shape, the symbolic dimensions `dims` left out where their size
-    is above 1 (tracing specializes a size of 1: such a kernel is keyed apart); with symbolic
-    dimensions, a's dtype (the key holds only the first argument's otherwise) and whether a is
-    contiguous too: traced contiguous, a tensor's outer stride is the
-    product of its sizes, traced as a view of a larger buffer (the decode mirror's layouts in its
-    arena) a symbol of its own, and the two kernels serve different tensors."""
-    if not dims:
-        return a.shape
-    return tuple(None if n > 1 and d in dims else n for d, n in enumerate(a.shape)), a.is_contiguous(), a.dtype
-
-
-def _compile(fn: Callable, args: tuple, dynamic: dict[int, tuple[int, ...]]) -> Callable:
-    """fn traced (make_fx) over fake copies of args, the dimensions `dynamic` names symbolic, and
-    compiled by inductor. The tracing context's shape environment lets inductor's graph cache
-    (on disk, across processes) take the graphs: without one it bypassed them and every process
-    generated each kernel's code anew (~2.5 s a whole-layer graph on a 2-vCPU AVX2 EPYC)."""
-    import torch._inductor.inductor_prims  # noqa: F401 (registers prims.inductor_force_stride_order)
-    from torch._guards import TracingContext, tracing
-    from torch._inductor import config as inductor_config
-    from torch._inductor.compile_fx import compile_fx
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
-
-    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
-
-    def fake(i: int, a: torch.Tensor) -> torch.Tensor:
-        dims = dynamic.get(i, ())
-        sizes = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(a.dim())]
-        return fake_mode.from_tensor(a, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
-
-    fakes = [fake(i, a) for i, a in enumerate(args)]
-    with fake_mode:
-        gm = make_fx(fn)(*fakes)
-    with inductor_config.patch(emulate_precision_casts=True), tracing(TracingContext(fake_mode)):
-        return compile_fx(gm, fakes)
-
-
-def _direct(wrapped: Callable, args: tuple) -> Callable:
-    """The compiled module's own entry point, without the wrappers compile_fx puts around it (they
-    handle autograd, input mutation and outputs aliasing inputs, none of which these graphs have;
-    measured on a 2-vCPU AVX2 EPYC: ~12 us a call of the ~15 us a trivial graph takes). Used only
-    when it returns what the wrapper returns for the example inputs; the wrapper otherwise."""
-    inner = getattr(wrapped, "current_callable", None)
-    if inner is None:
-        return wrapped
-    want = wrapped(*args)
-    one = not isinstance(want, (list, tuple))  # a graph of one output: the wrapper unpacks it
-    try:
-        got = inner(list(args))  # the module's call takes a list, and clears it
-    except Exception:  # noqa: BLE001 (an inductor whose entry point differs: keep its wrapper)
-        return wrapped
-    want = (want,) if one else want
-    same = isinstance(got, (list, tuple)) and len(got) == len(want)
-    if not (same and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))):
-        return wrapped
-    return (lambda *a: inner(list(a))[0]) if one else (lambda *a: inner(list(a)))
 
 
 def _gemv(x: torch.Tensor, rows16: torch.Tensor, *bias: torch.Tensor) -> torch.Tensor:
@@ -223,11 +85,11 @@ def _gemv(x: torch.Tensor, rows16: torch.Tensor, *bias: torch.Tensor) -> torch.T
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | EmulatedHalfWeight:
     """reference.pack_linear_weight, plus the rows16 layout of half weights for one-token products
-    where they run compiled (_applies; while the host can spare the memory:
+    where they run compiled (reference.compiled_half; while the host can spare the memory:
     reference.host_can_spare). On a CPU with native half products, oneDNN's packed tensor serves
     every other row count (EmulatedHalfWeight with `half` None)."""
     packed = reference.pack_linear_weight(weight)
-    if weight.device.type != "cpu" or not _applies(weight.dtype):
+    if weight.device.type != "cpu" or not reference.compiled_half(weight.dtype):
         return packed
     native = not isinstance(packed, EmulatedHalfWeight)
     if not native and packed.batched is None:
@@ -242,7 +104,7 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | EmulatedHalfWeigh
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(weight, EmulatedHalfWeight) and weight.rows16 is not None and x.dim() == 2 and _one_token(x):
-        y = _run(_gemv, (x, weight.rows16) if bias is None else (x, weight.rows16, bias))
+        y = cpu_inductor.run(_gemv, (x, weight.rows16) if bias is None else (x, weight.rows16, bias))
         if y is not None:
             return y
     return reference.linear(x, weight, bias)
@@ -253,7 +115,7 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # the first layer's norm (no residual yet) is one op: left to the reference
     if residual is not None and _small_ops(x):
-        got = _run(reference.fused_add_rms_norm, (x, residual, weight), _rows(x, 1), eps=eps)
+        got = cpu_inductor.run(reference.fused_add_rms_norm, (x, residual, weight), _rows(x, 1), eps=eps)
         if got is not None:
             return got[0], got[1]
     return reference.fused_add_rms_norm(x, residual, weight, eps)
@@ -268,7 +130,7 @@ def add_rms_norm_linear(
 
 
 def silu_mul_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    h = _run(reference.silu_and_mul, (x,), _rows(x)) if _small_ops(x) else None
+    h = cpu_inductor.run(reference.silu_and_mul, (x,), _rows(x)) if _small_ops(x) else None
     return reference.silu_mul_linear(x, weight, bias) if h is None else linear(h, weight, bias)
 
 
@@ -290,7 +152,7 @@ def qkv_prepare(qkv: torch.Tensor, num_q: int, q_norm: torch.Tensor | None, k_no
     if _small_ops(qkv):
         norms = () if q_norm is None else (q_norm, k_norm)
         rows = _rows(qkv, *range(1 + len(norms), 1 + len(norms) + len(rope)))  # (qkv and the rope tensors)
-        got = _run(_norm_rope, (qkv, *norms, *rope), rows, num_q=num_q, eps=eps, neox=neox)
+        got = cpu_inductor.run(_norm_rope, (qkv, *norms, *rope), rows, num_q=num_q, eps=eps, neox=neox)
         if got is not None:
             q, k = got
             v = qkv[:, q.shape[1] + k.shape[1] :]
@@ -338,7 +200,7 @@ def pre_attention(ops, x, residual, lw, eps, rope, num_q, num_kv, head_dim, k_ca
     """blocks.pre_attention; for one token, everything but the K/V store runs as one compiled call."""
     if _one_token(x) and _rows16(lw.qkv):
         args, static = pre_args(x, residual, lw, rope)
-        got = _run(_pre, args, num_q=num_q, num_kv=num_kv, head_dim=head_dim, eps=eps, **static)
+        got = cpu_inductor.run(_pre, args, num_q=num_q, num_kv=num_kv, head_dim=head_dim, eps=eps, **static)
         if got is not None:
             q, k, v, residual = got
             reference.store_kv(k, v, k_cache, v_cache, slots)
@@ -368,7 +230,7 @@ def post_attention(ops, attn, residual, lw, eps):
     """blocks.post_attention; for one token, one compiled call."""
     if _one_token(attn) and _rows16(lw.o, lw.gate_up, lw.down):
         weights, biases = post_weights(lw)
-        got = _run(_post, (attn, residual, *weights), biases=biases, eps=eps)
+        got = cpu_inductor.run(_post, (attn, residual, *weights), biases=biases, eps=eps)
         if got is not None:
             return got[0], got[1]
     return blocks.post_attention(ops, attn, residual, lw, eps)
@@ -415,7 +277,7 @@ class OneRowAttention:
         self._kernel: Callable | None = None
 
     def dynamic(self, args: tuple) -> dict[int, tuple[int, ...]]:
-        """_kernel's `dynamic` for a graph over `args` that include K, V and span, wherever they sit:
+        """cpu_inductor.kernel's `dynamic` for a graph over `args` that include K, V and span, wherever they sit:
         K and V's rows and capacity (the mirror's layout changes as it grows), the span's size."""
         dims = {id(self.K): (1, 3), id(self.V): (1, 3), id(self.span): (0,)}
         got = {i: dims[id(a)] for i, a in enumerate(args) if id(a) in dims}
@@ -425,7 +287,7 @@ class OneRowAttention:
     def __call__(self, q: torch.Tensor, layer: torch.Tensor) -> torch.Tensor | None:
         args = (q, self.K, self.V, layer, self.length, self.span)
         if self._kernel is None:  # looked up at the step's first layer
-            self._kernel = _kernel(_attend, args, self.dynamic(args), scale=self.scale)
+            self._kernel = cpu_inductor.kernel(_attend, args, self.dynamic(args), scale=self.scale)
             if self._kernel is None:
                 return None
         return self._kernel(*args)
@@ -438,7 +300,7 @@ def warm_up_length(dtype: torch.dtype, max_model_len: int) -> int | None:
     decoding request of a process waited for them (measured on a 2-vCPU AVX2 EPYC, SmolLM2-135M:
     13-36 s, and 5-13 s more at each longer context bucket of the kernels before they took any
     length; docs/BENCHMARKS.md, session 28)."""
-    if _failed or not _applies(dtype):
+    if cpu_inductor.failed or not reference.compiled_half(dtype):
         return None
     return min(SPAN_STEP, max_model_len)
 
@@ -448,7 +310,7 @@ def decode_attention(K: torch.Tensor, V: torch.Tensor, length: int, dtype: torch
     """For a step decoding one sequence over the first `length` positions of row 0 of the KV
     buffers K, V (cpu_attention.DecodeMirror's: float32, or the queries' `dtype`): the step's attention
     (OneRowAttention), decided here once per step, in place of SDPA. None where it does not apply
-    (the caller runs SDPA): not a half model (_applies)."""
-    if _failed or not _applies(dtype) or K.dtype not in (torch.float32, dtype):
+    (the caller runs SDPA): not a half model (reference.compiled_half)."""
+    if cpu_inductor.failed or not reference.compiled_half(dtype) or K.dtype not in (torch.float32, dtype):
         return None
     return OneRowAttention(K, V, length, scale)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from arcserve.kernels import blocks, cpu_attention, cpu_compiled
+from arcserve.kernels import blocks, cpu_attention, cpu_compiled, cpu_inductor
 from arcserve.kernels.blocks import LayerDims
 
 
@@ -118,7 +118,7 @@ def _run(step: _Step, x, residual, lw, layer: int, dims: LayerDims, rope: tuple,
     post, biases = cpu_compiled.post_weights(lw)
     args = (*pre, a.K, a.V, step.mirror.layer_index[layer], a.length, a.span, *post)
     if step.kernel is None:  # looked up once per step
-        step.kernel = cpu_compiled._kernel(
+        step.kernel = cpu_inductor.kernel(
             _layer, args, a.dynamic(args), **static, post_biases=biases, num_q=dims.num_q,
             num_kv=dims.num_kv, head_dim=dims.head_dim, eps=dims.eps, scale=a.scale,
         )  # fmt: skip

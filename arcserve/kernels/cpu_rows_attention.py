@@ -1,6 +1,6 @@
 """Decode attention of many sequences at once over the decode mirror (cpu_attention.DecodeMirror,
 float32 or the model's half dtype), compiled by inductor, for half models: the tier whose one-token
-steps run compiled (cpu_compiled._applies).
+steps run compiled (reference.compiled_half).
 
 SDPA over the mirror (the rows form: each KV head's query heads as its query rows) reads every row
 to the step's longest, the rest masked, and its CPU kernel runs far below the memory's speed at a
@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from arcserve.kernels import cpu_compiled
+from arcserve.kernels import cpu_inductor, reference
 
 BLOCK = 16  # positions a block: what the kernel reads, or skips (reads the row's first block instead)
 LANES = 16  # output lanes an accumulator sums (one AVX-512 float32 vector, two AVX2 ones)
@@ -88,7 +88,7 @@ class RowsAttention:
         args = (q, self.K, self.V, layer, self.lens, self.blocks)
         if self._kernel is None:  # looked up at the step's first layer
             dynamic = {0: (0,), 1: (1, 3), 2: (1, 3), 4: (0,), 5: (0,)}
-            self._kernel = cpu_compiled._kernel(_attend, args, dynamic, scale=self.scale, window=self.window)
+            self._kernel = cpu_inductor.kernel(_attend, args, dynamic, scale=self.scale, window=self.window)
             if self._kernel is None:
                 return None
         return self._kernel(*args)
@@ -99,11 +99,11 @@ def decode_attention(K: torch.Tensor, V: torch.Tensor, lens: torch.Tensor, width
     """For a step decoding len(lens) >= 2 sequences (`heads` queries each, in `dtype`) over the KV buffers K, V
     (float32 or `dtype`; rows 0.. of cpu_attention.DecodeMirror's, row i's first lens[i] positions valid, `width`
     the longest): the step's attention (RowsAttention), decided once per step, in place of SDPA.
-    None where it does not apply (the caller runs SDPA): not a half model (cpu_compiled._applies),
+    None where it does not apply (the caller runs SDPA): not a half model (reference.compiled_half),
     one row, a head size not a multiple of LANES, more query
     heads a KV head than the kernel's sums fit (MAX_SUMS)."""
     kvh, cap, hd = K.shape[2:]
-    if cpu_compiled._failed or not cpu_compiled._applies(dtype) or K.dtype not in (torch.float32, dtype) or len(lens) < 2:
+    if cpu_inductor.failed or not reference.compiled_half(dtype) or K.dtype not in (torch.float32, dtype) or len(lens) < 2:
         return None
     if hd % LANES or cap % BLOCK or heads % kvh or heads // kvh * hd // LANES > MAX_SUMS:
         return None

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from arcserve.kernels import cpu_attention, cpu_compiled, cpu_rows_attention, reference
+from arcserve.kernels import cpu_attention, cpu_inductor, cpu_rows_attention, reference
 from arcserve.kernels.reference import AttentionMetadata
 
 BS, KVH, H, D, LAYERS, NB = 4, 2, 6, 16, 2, 400  # (D: a multiple of the rows kernel's lanes)
@@ -169,7 +169,7 @@ def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dt
     # The big budget serves decodes from the mirror; the tiny one must fall back every time.
     assert used_mirror == (budget > 4000)
     if rows is not None:  # the kernel ran its steps (it compiles where a C++ compiler is), else SDPA did
-        assert ran and all(ran) == (not cpu_compiled._failed)
+        assert ran and all(ran) == (not cpu_inductor.failed)
 
 
 def brute_force(q, kc, vc, meta, scale, window):

@@ -18,6 +18,7 @@ from arcserve.kernels import (
     blocks,
     cpu_attention,
     cpu_compiled,
+    cpu_inductor,
     cpu_layer,
     cpu_rows_attention,
     get_ops,
@@ -32,25 +33,23 @@ NATIVE_BF16 = reference.native_half_matmul(torch.bfloat16)  # this CPU's (read b
 def emulated_half(monkeypatch):
     """Every test runs as on an AVX2-only CPU (no native half products), with a clean failure state."""
     monkeypatch.setattr(reference, "native_half_matmul", lambda dtype: False)
-    cpu_compiled._applies.cache_clear()
-    failed = list(cpu_compiled._failed)
-    cpu_compiled._failed.clear()
+    failed = list(cpu_inductor.failed)
+    cpu_inductor.failed.clear()
     yield
-    cpu_compiled._applies.cache_clear()
-    cpu_compiled._failed[:] = failed
+    cpu_inductor.failed[:] = failed
 
 
 def compiled_keys(fn) -> int:
-    return sum(1 for k in cpu_compiled._compiled if k[0] is fn)
+    return sum(1 for k in cpu_inductor.compiled if k[0] is fn)
 
 
 def check_compiled(fn) -> None:
     """With a compiler the kernel must have compiled; without, the eager ops ran after a failure."""
     if HAVE_CXX:
-        assert not cpu_compiled._failed, cpu_compiled._failed
+        assert not cpu_inductor.failed, cpu_inductor.failed
         assert compiled_keys(fn) > 0
     else:
-        assert cpu_compiled._failed
+        assert cpu_inductor.failed
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -97,7 +96,7 @@ def test_small_ops_of_many_tokens_run_one_kernel_for_every_count(monkeypatch):
     """Steps of many tokens (prefill chunks, decode batches) take the small-op groups compiled too:
     one kernel per group for every token count from 2 up (beside the one-token kernels), giving
     the eager ops' bits at these sizes, and found again by the exact layouts without a compile."""
-    monkeypatch.setattr(cpu_compiled, "_compiled", {})
+    monkeypatch.setattr(cpu_inductor, "compiled", {})
     g = torch.Generator().manual_seed(2)
     nq, nkv, d, dtype = 6, 2, 32, torch.bfloat16
     w = (1 + torch.randn(96, generator=g) / 4).to(dtype)
@@ -121,30 +120,30 @@ def test_small_ops_of_many_tokens_run_one_kernel_for_every_count(monkeypatch):
     if HAVE_CXX:
         for fn in (reference.fused_add_rms_norm, reference.silu_and_mul, cpu_compiled._norm_rope):
             assert compiled_keys(fn) == 2, fn  # one token; every other count
-        layouts = len(cpu_compiled._compiled)
+        layouts = len(cpu_inductor.compiled)
         x, r = torch.randn(7, 96, generator=g).to(dtype), torch.randn(7, 96, generator=g).to(dtype)
         cpu_compiled.fused_add_rms_norm(x, r, w, 1e-6)  # a count seen before: its entry found
-        assert len(cpu_compiled._compiled) == layouts
+        assert len(cpu_inductor.compiled) == layouts
     else:
-        assert cpu_compiled._failed
+        assert cpu_inductor.failed
 
 
 def test_exact_layout_entries_are_bounded(monkeypatch):
     """The entries that find symbolic-size kernels by their arguments' exact layouts are dropped
     past _EXACT_MAX (the kernels stay)."""
-    monkeypatch.setattr(cpu_compiled, "_compiled", {})
-    monkeypatch.setattr(cpu_compiled, "_EXACT_MAX", 3)
-    monkeypatch.setattr(cpu_compiled, "_exact_added", 0)
+    monkeypatch.setattr(cpu_inductor, "compiled", {})
+    monkeypatch.setattr(cpu_inductor, "_EXACT_MAX", 3)
+    monkeypatch.setattr(cpu_inductor, "_exact_added", 0)
     w = torch.ones(16, dtype=torch.bfloat16)
     for t in range(2, 9):
         x = torch.randn(t, 16).to(torch.bfloat16)
         cpu_compiled.fused_add_rms_norm(x, x, w, 1e-6)
-    exact = [k for k in cpu_compiled._compiled if k[0] is cpu_compiled._EXACT]
+    exact = [k for k in cpu_inductor.compiled if k[0] is cpu_inductor._EXACT]
     if HAVE_CXX:
-        assert 1 <= len(exact) <= 3 and len(cpu_compiled.kernels()) == 1
+        assert 1 <= len(exact) <= 3 and len(cpu_inductor.kernels()) == 1
         assert exact[-1][3][0] == (8, 16)  # the latest layout is kept (x, after _EXACT, fn and eps)
     else:
-        assert not exact and cpu_compiled._failed
+        assert not exact and cpu_inductor.failed
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -190,7 +189,7 @@ def test_a_failed_compile_falls_back_to_the_eager_ops(monkeypatch, caplog):
         h, res = cpu_compiled.fused_add_rms_norm(x, r, w, 0.123)  # an eps no test compiled before
     h0, res0 = reference.fused_add_rms_norm(x, r, w, 0.123)
     assert torch.equal(h, h0) and torch.equal(res, res0)
-    assert "no C++ compiler here" in caplog.text and cpu_compiled._failed
+    assert "no C++ compiler here" in caplog.text and cpu_inductor.failed
     # from then on, no more attempts: the eager ops run directly
     monkeypatch.setattr(cfx, "compile_fx", lambda *a, **k: pytest.fail("compiled again after a failure"))
     h, res = cpu_compiled.fused_add_rms_norm(x, r, w, 0.456)
@@ -219,7 +218,7 @@ def test_engine_decodes_the_same_tokens_compiled_and_eager(llama_dir, monkeypatc
     the same compiled tier): oneDNN's packed bf16 weights serve every other row count, beside the
     rows16 copies, and the decode mirror keeps bf16; else the float32 copies and float32 mirror of
     an AVX2-only CPU."""
-    monkeypatch.setattr(cpu_compiled, "_compiled", {})  # (not the kernels earlier tests compiled)
+    monkeypatch.setattr(cpu_inductor, "compiled", {})  # (not the kernels earlier tests compiled)
     if native:
         monkeypatch.setattr(reference, "native_half_matmul", lambda dtype: True)
         monkeypatch.setattr(reference, "cpu_matrix_tiles", lambda dtype: native == "tiles")
@@ -227,7 +226,7 @@ def test_engine_decodes_the_same_tokens_compiled_and_eager(llama_dir, monkeypatc
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     eager = LLM(str(llama_dir), dtype="bfloat16", max_model_len=128, enforce_eager=True)
     want = eager.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
-    assert not cpu_compiled._compiled  # (enforce_eager: nothing compiled)
+    assert not cpu_inductor.compiled  # (enforce_eager: nothing compiled)
     fast = LLM(str(llama_dir), dtype="bfloat16", max_model_len=128)
     gate_up = fast.llm_engine.model.layers[0].gate_up
     assert isinstance(gate_up, reference.EmulatedHalfWeight) and gate_up.rows16 is not None
@@ -241,7 +240,7 @@ def test_engine_decodes_the_same_tokens_compiled_and_eager(llama_dir, monkeypatc
     got = fast.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
     assert got == want
     if HAVE_CXX:  # the one-token steps took the compiled layers (tests/kernels/test_cpu_layer.py) and LM head
-        assert compiled_keys(cpu_compiled._gemv) and not cpu_compiled._failed
+        assert compiled_keys(cpu_compiled._gemv) and not cpu_inductor.failed
         layers = len(fast.llm_engine.model.layers)
         assert sum(w is not None for w in whole) == (len(want) - 1) * layers  # every decode step's every layer
 
@@ -338,7 +337,7 @@ def test_one_token_attention_matches_sdpa(dtype, heads, kvh):
             q.float().view(1, kvh, heads // kvh, d), K[:, :, :length], V[:, :, :length], scale=0.3
         ).view(1, heads, d)  # fmt: skip
         if not HAVE_CXX:
-            assert got is None and cpu_compiled._failed
+            assert got is None and cpu_inductor.failed
             return
         assert got.shape == (1, heads, d) and got.dtype == dtype
         torch.testing.assert_close(got.float(), want, **tol)
@@ -408,7 +407,7 @@ def test_mirror_single_decoder_through_the_compiled_attention(cache):
     if HAVE_CXX:
         assert ran == [True] * (len(planned) * layers)
     else:
-        assert ran == [False] * layers and cpu_compiled._failed
+        assert ran == [False] * layers and cpu_inductor.failed
 
 
 def test_compiled_kernels_skip_inductors_wrapper_where_it_gives_the_same():
@@ -417,7 +416,7 @@ def test_compiled_kernels_skip_inductors_wrapper_where_it_gives_the_same():
     unpacks it); the wrapper otherwise."""
     x = torch.randn(1, 24).bfloat16()
     if not HAVE_CXX:  # no compiled kernels at all: the callers run the eager ops
-        assert cpu_compiled._run(lambda t: t + 1, (x,)) is None and cpu_compiled._failed
+        assert cpu_inductor.run(lambda t: t + 1, (x,)) is None and cpu_inductor.failed
         return
 
     def fresh(t):
@@ -427,18 +426,18 @@ def test_compiled_kernels_skip_inductors_wrapper_where_it_gives_the_same():
         return t.view(4, 6), t * 3
 
     for fn in (fresh, aliasing):
-        got = cpu_compiled._run(fn, (x,))
+        got = cpu_inductor.run(fn, (x,))
         assert all(torch.equal(a, b) and a.shape == b.shape for a, b in zip(got, fn(x)))
-        assert getattr(cpu_compiled._compiled[(fn, x.dtype, x.shape)], "current_callable", None) is None
-    one = cpu_compiled._run(lambda t: t - 1, (x,))
+        assert getattr(cpu_inductor.compiled[(fn, x.dtype, x.shape)], "current_callable", None) is None
+    one = cpu_inductor.run(lambda t: t - 1, (x,))
     assert isinstance(one, torch.Tensor) and torch.equal(one, x - 1)
 
     def wrapper(t):
         return t + 1
 
-    assert cpu_compiled._direct(wrapper, (x,)) is wrapper  # no entry point to call
+    assert cpu_inductor._direct(wrapper, (x,)) is wrapper  # no entry point to call
     wrapper.current_callable = lambda args: [args[0] + 2]  # an entry point that disagrees
-    assert cpu_compiled._direct(wrapper, (x,)) is wrapper
+    assert cpu_inductor._direct(wrapper, (x,)) is wrapper
     wrapper.current_callable = lambda args: [args.pop(0) + 1]  # agrees (and clears its list, as inductor's)
-    direct = cpu_compiled._direct(wrapper, (x,))
+    direct = cpu_inductor._direct(wrapper, (x,))
     assert direct is not wrapper and torch.equal(direct(x), x + 1)

@@ -16,7 +16,7 @@ from tiny_models import make_model_dir
 
 from arcserve import LLM, SamplingParams
 from arcserve.engine.runner import ModelRunner
-from arcserve.kernels import blocks, cpu_compiled, cpu_layer, get_ops, reference
+from arcserve.kernels import blocks, cpu_compiled, cpu_inductor, cpu_layer, get_ops, reference
 
 LAYERS = 3
 
@@ -92,13 +92,13 @@ ALONE = 100 - BOTH
 # plain (the longer prompt), qkv bias + tied head, q/k norms
 @pytest.mark.parametrize("arch,prompt", [("llama", 55), ("qwen2", 10), ("qwen3", 10)])
 def test_whole_layer_steps_give_the_layer_by_layer_bits(three_layer_dirs, arch, prompt, monkeypatch):
-    monkeypatch.setattr(cpu_compiled, "_compiled", {})  # (not the kernels earlier tests compiled)
+    monkeypatch.setattr(cpu_inductor, "compiled", {})  # (not the kernels earlier tests compiled)
     want = decode(three_layer_dirs[arch], False, prompt)
     counts = Counts(monkeypatch)
     got = decode(three_layer_dirs[arch], True, prompt)
     assert_same(got, want)
     if HAVE_CXX:
-        assert not cpu_compiled._failed, cpu_compiled._failed
+        assert not cpu_inductor.failed, cpu_inductor.failed
         assert compiled_keys(cpu_layer._layer) == 1  # one graph for every layer, the first one's included
         assert counts.layers == ALONE * LAYERS
         # no per-layer store on those steps: only the prefill steps' and the two-sequence steps'
@@ -112,10 +112,10 @@ def test_the_one_token_kernels_compile_at_startup(three_layer_dirs, monkeypatch)
     one decoding alone after four sequences made the decode mirror grow into another layout; and
     the warm-up leaves nothing behind: the tokens, logprobs and both caches of an engine that
     skipped it."""
-    monkeypatch.setattr(cpu_compiled, "_compiled", {})  # (not the kernels earlier tests compiled)
+    monkeypatch.setattr(cpu_inductor, "compiled", {})  # (not the kernels earlier tests compiled)
     model_dir = three_layer_dirs["qwen3"]
     llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=256, seed=0, num_kv_blocks=64, max_num_seqs=4)
-    kernels = cpu_compiled.kernels()
+    kernels = cpu_inductor.kernels()
     runner = llm.llm_engine.runner
     assert not runner.kv.any() and not runner.decode_mirror.ids  # the warm-up's K/V zeroed, its row dropped
     assert not any(a.any() for a in runner.decode_mirror.arena)
@@ -127,9 +127,9 @@ def test_the_one_token_kernels_compile_at_startup(three_layer_dirs, monkeypatch)
     assert runner.decode_mirror.k.shape != layout  # 4 rows: it grew (the last request then decoded alone)
     if HAVE_CXX:
         assert compiled_keys(cpu_layer._layer) == 1  # one graph for every layer, the first one's included
-        assert cpu_compiled.kernels() == kernels
+        assert cpu_inductor.kernels() == kernels
     else:
-        assert not cpu_compiled._compiled and cpu_compiled._failed
+        assert not cpu_inductor.compiled and cpu_inductor.failed
     want = decode(model_dir, True, prompt=10)
     monkeypatch.setattr(ModelRunner, "warm_up", lambda runner: None)
     assert_same(decode(model_dir, True, prompt=10), want)
@@ -152,8 +152,8 @@ def test_a_layer_that_cannot_hands_the_step_to_the_layer_by_layer_path(three_lay
 
         monkeypatch.setattr(LLM, "__init__", without_tiles)
     else:
-        kernel = cpu_compiled._kernel
-        monkeypatch.setattr(cpu_compiled, "_kernel", lambda fn, args, dynamic=None, **static: (
+        kernel = cpu_inductor.kernel
+        monkeypatch.setattr(cpu_inductor, "kernel", lambda fn, args, dynamic=None, **static: (
             None if fn is cpu_layer._layer else kernel(fn, args, dynamic, **static)))  # fmt: skip
     got = decode(model_dir, True)
     assert_same(got, want)
@@ -180,7 +180,7 @@ def test_the_first_layers_residual_changes_no_bit(dtype, monkeypatch):
     the path without the add (the one-token ops one by one, the residual norm the reference's),
     and the residual is x's bits: -0.0, subnormals, the largest values and infinities included (a
     residual of +0.0 would turn -0.0 into +0.0)."""
-    monkeypatch.setattr(cpu_compiled, "_compiled", {})  # (not the kernels earlier tests compiled)
+    monkeypatch.setattr(cpu_inductor, "compiled", {})  # (not the kernels earlier tests compiled)
     g = torch.Generator().manual_seed(11)
     hidden, nq, nkv, d = 64, 4, 2, 16
     lw = layer_weights(g, dtype, hidden, 96, nq, nkv, d, bias=False, qk_norm=True)
@@ -205,4 +205,4 @@ def test_the_first_layers_residual_changes_no_bit(dtype, monkeypatch):
         for a, b in zip(got, want):
             assert torch.equal(bits(a), bits(b))
     if HAVE_CXX:
-        assert not cpu_compiled._failed and compiled_keys(cpu_compiled._pre) == 1  # (the compiled pre half ran)
+        assert not cpu_inductor.failed and compiled_keys(cpu_compiled._pre) == 1  # (the compiled pre half ran)

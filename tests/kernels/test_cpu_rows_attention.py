@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from test_cpu_compiled import HAVE_CXX, compiled_keys, emulated_half  # noqa: F401 (autouse: as on an AVX2-only CPU)
 
 from arcserve import LLM, SamplingParams
-from arcserve.kernels import cpu_attention, cpu_compiled, cpu_rows_attention, reference
+from arcserve.kernels import cpu_attention, cpu_inductor, cpu_rows_attention, reference
 
 KERNEL = cpu_rows_attention._attend
 
@@ -62,11 +62,11 @@ def test_rows_attention_matches_sdpa(dtype, heads, kvh, d, half):
         assert run is not None
         got = run(q, torch.tensor([1]))  # layer 1 of 3
         if not HAVE_CXX:
-            assert got is None and cpu_compiled._failed
+            assert got is None and cpu_inductor.failed
             return
         assert got.shape == (n, heads, d) and got.dtype == dtype
         torch.testing.assert_close(got.float(), _sdpa(q, K[1], V[1], lens, window, 0.3), **tol)
-    assert not cpu_compiled._failed
+    assert not cpu_inductor.failed
     assert compiled_keys(KERNEL) == before + 3  # one kernel per window: none, 3 and 40
 
 
@@ -98,31 +98,31 @@ def test_rows_attention_applies_where_its_sums_fit():
     assert cpu_rows_attention.decode_attention(K, V, lens[:1], 5, 4, torch.bfloat16, 0.3, None) is None
     K8, V8 = _mirror(1, 2, 2, 128, 8, g)
     assert cpu_rows_attention.decode_attention(K8, V8, lens, 9, 4, torch.bfloat16, 0.3, None) is None
-    before = cpu_compiled.kernels()
+    before = cpu_inductor.kernels()
     wide = (cpu_rows_attention.MAX_SUMS + 1) * 2  # query heads: (MAX_SUMS + 1) a KV head of one 16-lane sum
     assert cpu_rows_attention.decode_attention(K, V, lens, 9, wide, torch.bfloat16, 0.3, None) is None
     assert cpu_rows_attention.decode_attention(K, V, lens, 9, 5, torch.bfloat16, 0.3, None) is None  # 5 on 2 KV heads
-    assert cpu_compiled.kernels() == before
+    assert cpu_inductor.kernels() == before
 
 
 def test_engine_compiles_the_rows_kernel_at_startup(llama_dir, monkeypatch):
     """A bf16 model decoding several requests at once: the startup's warm-up compiles the kernel,
     the batch compiles nothing more, and its greedy tokens are the eager path's (SDPA)."""
-    monkeypatch.setattr(cpu_compiled, "_compiled", {})  # (not the kernels earlier tests compiled)
+    monkeypatch.setattr(cpu_inductor, "compiled", {})  # (not the kernels earlier tests compiled)
     prompts = [{"prompt_token_ids": [5 + i, 17, 33, 101, 7, 64, 250, 12, 3][: 9 - 2 * i]} for i in range(4)]
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     eager = LLM(str(llama_dir), dtype="bfloat16", max_model_len=128, enforce_eager=True)
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, greedy, use_tqdm=False)]
     fast = LLM(str(llama_dir), dtype="bfloat16", max_model_len=128)
     if HAVE_CXX:
-        assert compiled_keys(KERNEL) == 1 and not cpu_compiled._failed
-    startup = cpu_compiled.kernels()
+        assert compiled_keys(KERNEL) == 1 and not cpu_inductor.failed
+    startup = cpu_inductor.kernels()
     calls = []
     monkeypatch.setattr(cpu_rows_attention.RowsAttention, "__call__",
                         lambda self, *a, call=cpu_rows_attention.RowsAttention.__call__: calls.append(call(self, *a)) or calls[-1])  # fmt: skip
     got = [o.outputs[0].token_ids for o in fast.generate(prompts, greedy, use_tqdm=False)]
     assert got == want
-    assert cpu_compiled.kernels() == startup  # nothing compiled while the requests ran
+    assert cpu_inductor.kernels() == startup  # nothing compiled while the requests ran
     assert len(calls) > 10 * len(fast.llm_engine.model.layers)  # the batch's decode steps took it
     assert all(c is not None for c in calls) == HAVE_CXX
 
@@ -133,7 +133,7 @@ def test_a_failed_compile_falls_back_to_sdpa_within_the_step(monkeypatch):
     failing step makes it), within bf16 rounding of the reference, sliding window included."""
     from test_cpu_attention import BS, make_meta
 
-    kernel = cpu_compiled._kernel
+    kernel = cpu_inductor.kernel
     failed = []
 
     def broken(fn, args, dynamic=None, **static):
@@ -142,7 +142,7 @@ def test_a_failed_compile_falls_back_to_sdpa_within_the_step(monkeypatch):
             return None
         return kernel(fn, args, dynamic, **static)
 
-    monkeypatch.setattr(cpu_compiled, "_kernel", broken)
+    monkeypatch.setattr(cpu_inductor, "kernel", broken)
     g = torch.Generator().manual_seed(10)
     kvh, heads, d, layers, nb, dtype, window = 2, 6, 16, 2, 40, torch.bfloat16, 5
     kc = [torch.randn(nb, BS, kvh, d, generator=g).to(dtype) for _ in range(layers)]
