@@ -13,10 +13,12 @@ gaps do not count), over enough copies of its inputs to miss the L2 cache.
     python benchmarks/gpu_kernels.py attention-varied fp8  # the same over an 8-bit cache (attention-sweep too)
     python benchmarks/gpu_kernels.py attention-layout  # decode attention by cache layout and block size,
                                                        # beside a plain read kernel's bandwidth
+    python benchmarks/gpu_kernels.py attention-mid     # decode attention at 32-256 sequences, wider launch grid
     python benchmarks/gpu_kernels.py prefill-sweep     # mixed steps' prompt-chunk attention tiles
     python benchmarks/gpu_kernels.py batch-gemm        # decode-batch products (8-256 rows): cuBLAS against
                                                        # a plain Triton GEMM (an experiment, not in arcserve)
     python benchmarks/gpu_kernels.py batch-gemm-wide   # the same at 64-256 rows with row tiles up to 256
+    python benchmarks/gpu_kernels.py batch-gemm-splitk # the same with K split over programs (64-256 rows)
 """
 
 from __future__ import annotations
@@ -271,6 +273,41 @@ def attention_layout() -> None:
 
 
 @torch.inference_mode()
+def attention_mid() -> None:
+    """Decode attention (Qwen3-0.6B heads) at 32-256 sequences of 200-2,048 tokens over a wider
+    launch grid than attention-layout (warps 1-8, stages 2-5, 16-128 positions a trip, the KV range
+    whole or split in two): the shipped plan against the four best, % of the plain read rate."""
+    rd = read_ceiling()
+    h, kvh, d, bs = 16, 8, 128, 16
+    rng = np.random.default_rng(0)
+    combos = list(itertools.product((1, 2, 4, 8), (2, 3, 4, 5), (16, 32, 64, 128), (1, 2)))
+    lines = []
+    for batch in (32, 64, 96, 128, 192, 256):
+        lens = rng.integers(200, 2049, batch)
+        meta, blocks = paged_meta(np.ones(batch, dtype=np.int64), lens, bs)
+        kc = torch.randn(blocks, bs, kvh, d, device=DEV, dtype=BF16)
+        vc = torch.randn(blocks, bs, kvh, d, device=DEV, dtype=BF16)
+        q = torch.randn(batch, h, d, device=DEV, dtype=BF16)
+        plan = triton_attention.prepare(meta, h, kvh, DEV, 2)
+        shipped = dict(plan)
+        fn = lambda: triton_attention.paged_attention(q, None, None, kc, vc, meta, d**-0.5, None, 0)  # noqa: E731
+        pct = lambda us: 100 * 4 * int(lens.sum()) * kvh * d / (us * 1e-6) / rd  # noqa: E731
+        ref, default = fn().float(), graph_time([fn])
+        found = []
+        for warps, stages, block_n, splits in combos:
+            plan.update(block_n=block_n, launch={"num_warps": warps, "num_stages": stages}, splits=splits)
+            with contextlib.suppress(triton.runtime.errors.OutOfResources):
+                assert float((fn().float() - ref).norm() / ref.norm()) < 2e-2
+                found.append((graph_time([fn]), warps, stages, block_n, splits))
+        plan.update(shipped)
+        best = ", ".join(f"{us:.1f} ({pct(us):.1f}%) w{w} st{st} n{n} sp{sp}" for us, w, st, n, sp in sorted(found)[:4])
+        lines.append(f"batch {batch:3d}: shipped {default:.1f} us ({pct(default):.1f}% of read; n{shipped['block_n']} "
+                     f"splits {shipped['splits']} {shipped['launch']}); best {best}")  # fmt: skip
+        print(lines[-1], flush=True)
+    print("\n".join(lines))
+
+
+@torch.inference_mode()
 def prefill_sweep() -> None:
     """The prompt-chunk tiles of a throughput run's mixed step (Qwen3-0.6B heads): 8,192 new tokens
     as fresh prompts of 100-1,024 tokens, and as 512-token chunks over cached prefixes of 0-3,072
@@ -392,6 +429,96 @@ def batch_gemm(wide: bool = False) -> None:
         print(f"rows {m:3d} one layer's four products: cuBLAS {lib_total:.2f} us, Triton's best single setting {setting} {total:.2f} us")
 
 
+@triton.jit
+def _mm_splitk(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K_PER, stride_xm, stride_wn, stride_ym,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
+               PDL: tl.constexpr = False):  # fmt: skip
+    """y = x @ w.T; program (n, m, s) sums the s-th K_PER slice of K into its tile. With SPLIT > 1 it
+    writes that partial in float32, and the last of a tile's SPLIT programs to count itself in (its
+    acquire sees the others' partials) adds them up in a fixed order: the result does not depend on
+    which program finished first."""
+    pid_n, pid_m, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rk = tl.arange(0, BK)
+    n_ok, m_ok = rn < N, rm < M
+    k0 = s * K_PER
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :]
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :]
+    w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+    wait_prior_kernel(PDL)
+    acc = tl.dot(tl.load(x_ptrs, mask=m_ok[:, None], other=0.0), tl.trans(w))
+    for k in tl.range(BK, K_PER, BK, num_stages=STAGES):
+        w = tl.load(w_ptrs + k, mask=n_ok[:, None], other=0.0)
+        acc = tl.dot(tl.load(x_ptrs + k, mask=m_ok[:, None], other=0.0), tl.trans(w), acc)
+    mask = m_ok[:, None] & n_ok[None, :]
+    out = rm[:, None] * stride_ym + rn[None, :]
+    if SPLIT == 1:
+        tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        plane = M * stride_ym
+        tl.store(part_ptr + s * plane + out, acc, mask=mask)
+        tl.debug_barrier()
+        counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
+            tot = tl.zeros([BM, BN], tl.float32)
+            for j in tl.static_range(SPLIT):
+                tot += tl.load(part_ptr + j * plane + out, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + out, tot.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter, 0)
+
+def splitk_mm(x, w, parts: dict, bm: int, bn: int, bk: int, split: int, warps: int, stages: int):
+    M, K = x.shape
+    N = w.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if split > 1 and (M, N, split) not in parts:
+        parts[M, N, split] = torch.empty(split * M * N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
+    counts = triton_ops.zeroed_counters(grid[0] * grid[1], x.device) if split > 1 else y
+    _mm_splitk[grid](x, w, y, parts.get((M, N, split), y), counts, M, N, K // split, x.stride(0), w.stride(0),
+                     y.stride(0), BM=bm, BN=bn, BK=bk, SPLIT=split, STAGES=stages, num_warps=warps,
+                     **triton_launch_options(DEV))  # fmt: skip
+    return y
+
+
+@torch.inference_mode()
+def batch_gemm_splitk() -> None:
+    """Qwen3-0.6B's decoder matrices at 64-256 rows: cuBLAS against a Triton GEMM that splits K over
+    1-8 programs per output tile (more programs for the narrow o and down products, whose tiles
+    alone leave most compute units idle), over a grid of tiles; every candidate is checked against
+    a float64 product and for equal bits on a second run (the merge order is fixed)."""
+    shapes = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
+    narrow = list(itertools.product((64, 128), (32, 64, 128), (64, 128), (1, 2, 4, 8), (4, 8), (3,)))
+    wide = list(itertools.product((64, 128), (64, 128), (64,), (1, 2, 4), (4, 8), (3,)))
+    parts: dict = {}
+    summary = []
+    for m in (64, 128, 192, 256):
+        lib_total = best_total = 0.0
+        for name, (n, k) in shapes.items():
+            ws = copies(lambda n=n, k=k: torch.randn(n, k, device=DEV, dtype=BF16) * 0.02, 2 * n * k)
+            x = torch.randn(m, k, device=DEV, dtype=BF16)
+            lib = graph_time([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
+            ref = x.double() @ ws[0].double().T
+            best = (float("inf"), None)
+            for c in narrow if n <= 2048 else wide:
+                bm, bn, bk, split = c[:4]
+                if (k // split) % bk or bm > max(64, triton.next_power_of_2(m)):
+                    continue
+                try:
+                    y1, y2 = (splitk_mm(x, ws[0], parts, *c) for _ in range(2))
+                except triton.runtime.errors.OutOfResources:
+                    continue
+                err = ((y1.double() - ref).norm() / ref.norm()).item()
+                assert err < 1e-2 and torch.equal(y1, y2), (name, m, c, err)
+                best = min(best, (graph_time([lambda w=w, c=c: splitk_mm(x, w, parts, *c) for w in ws]), c))
+            print(f"rows {m:3d} {name:8s} cuBLAS {lib:6.2f} us  split-K best {best[0]:6.2f} us "
+                  f"(BM, BN, BK, split, warps, stages = {best[1]})", flush=True)  # fmt: skip
+            lib_total += lib
+            best_total += min(lib, best[0])
+        summary.append(f"rows {m:3d}: one layer's four products cuBLAS {lib_total:.2f} us, best of either {best_total:.2f} us")
+    print("\n".join(summary))
+
+
 # One-row matrices of both models: (outputs, inputs); LM heads are the tied / untied vocabularies.
 ONE_ROW_SHAPES = {"0.6b qkv": (4096, 1024), "0.6b o": (1024, 2048), "0.6b gate_up": (6144, 1024),
                   "0.6b down": (1024, 3072), "0.6b lm_head": (151936, 1024), "8b qkv": (6144, 4096),
@@ -491,6 +618,10 @@ def main() -> None:
         return attention_varied(cache)
     if sys.argv[1:] == ["attention-layout"]:
         return attention_layout()
+    if sys.argv[1:] == ["attention-mid"]:
+        return attention_mid()
+    if sys.argv[1:] == ["batch-gemm-splitk"]:
+        return batch_gemm_splitk()
     if sys.argv[1:] in (["batch-gemm"], ["batch-gemm-wide"]):
         return batch_gemm(wide=sys.argv[1] == "batch-gemm-wide")
     if sys.argv[1:] == ["prefill-sweep"]:

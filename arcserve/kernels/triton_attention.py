@@ -221,18 +221,23 @@ def tile_plan(num_heads: int, num_kv_heads: int, decode_only: bool, split_tiles:
     trip, the bytes of 64 in bf16; H100, `gpu_kernels.py attention-sweep fp8`: 64 / 128 / 256
     sequences 81.2 -> 65.1, 126.2 -> 118.9, 190.2 -> 178.7 us, batch 1 the same)."""
     block_q, g_pad = tile_shape(num_heads, num_kv_heads, decode_only, device)
-    # Large decode batches over a 16-bit cache read faster with 128 positions a trip and 2 stages
-    # (H100, `gpu_kernels.py attention-layout`, 128 / 192 / 256 sequences of 200-2,048 tokens:
-    # 240.1 -> 230.7, 295.7 -> 286.8, 342.6 -> 335.3 us; at 64, 512 programs, no gain). Heads up
-    # to 128 wide: the two stages of K and V tiles then take 128 KB of shared memory.
-    wide = (decode_only and kv_itemsize == 2 and head_dim <= 128
-            and split_tiles * num_kv_heads >= 4 * compute_units(device))  # fmt: skip
+    # Decode batches of at least 2 programs per compute unit over a 16-bit cache read faster with
+    # 128 positions a trip and 2 stages, and below 6 per unit with the KV range split in two
+    # (`gpu_kernels.py attention-mid`, sequences of 200-2,048 tokens, us per layer; H200: 64
+    # sequences 96.8 -> 87.0, 96: 132.6 -> 126.8, 128 and up unchanged; H100, `attention-layout`,
+    # 128 / 192 / 256 sequences, wide tiles alone: 240.1 -> 230.7, 295.7 -> 286.8, 342.6 -> 335.3).
+    # Heads up to 128 wide: the two stages of K and V tiles then take 128 KB of shared memory.
+    programs, units = split_tiles * num_kv_heads, compute_units(device)
+    wide = decode_only and kv_itemsize == 2 and head_dim <= 128 and programs >= 2 * units
     block_n = 128 if triton_interpreting() or (decode_only and (kv_itemsize == 1 or wide)) else 64
+    splits = num_splits_for(split_tiles, num_kv_heads, max_ctx, units, decode_only)
+    if wide and programs < 6 * units and max_ctx >= 512 and not triton_interpreting():
+        splits = 2
     return {
         "block_q": block_q,
         "g_pad": g_pad,
         "block_n": block_n,  # (the interpreter: fewer loop trips where each op is costly)
-        "splits": num_splits_for(split_tiles, num_kv_heads, max_ctx, compute_units(device), decode_only),
+        "splits": splits,
         "split_tiles": split_tiles,
         "launch": {"num_stages": 2} if wide and not triton_interpreting() else {},
     }

@@ -441,38 +441,45 @@ def test_decode_tiles_over_an_8bit_cache_read_as_many_bytes_per_trip(monkeypatch
     plan = triton_attention.tile_plan
     dev = torch.device("cuda")
     assert plan(16, 8, True, 64, 2048, dev, kv_itemsize=1)["block_n"] == 128
-    assert plan(16, 8, True, 64, 2048, dev)["block_n"] == 64
+    assert plan(16, 8, True, 32, 2048, dev)["block_n"] == 64
     assert plan(16, 8, False, 64, 2048, dev, kv_itemsize=1)["block_n"] == 64
 
 
-def test_large_decode_batches_over_a_16bit_cache_take_wide_two_stage_tiles(monkeypatch):
-    """Decode steps with at least 4 programs per compute unit read 128 positions a trip in 2
-    stages over a 16-bit cache with heads up to 128 wide; smaller batches, mixed steps and other
-    caches keep their settings."""
+def test_decode_batches_over_a_16bit_cache_take_wide_two_stage_tiles(monkeypatch):
+    """Decode steps with at least 2 programs per compute unit read 128 positions a trip in 2
+    stages over a 16-bit cache with heads up to 128 wide, and below 6 per unit split the KV range
+    in two (contexts of 512 and more); smaller batches, mixed steps and other caches keep their
+    settings."""
     monkeypatch.setattr(triton_attention, "triton_interpreting", lambda: False)
     monkeypatch.setattr(triton_attention, "compute_units", lambda device: 132)
     plan = triton_attention.tile_plan
     dev = torch.device("cuda")
-    wide = plan(16, 8, True, 66, 2048, dev)  # 528 programs = 4 per unit
-    assert (wide["block_n"], wide["launch"]) == (128, {"num_stages": 2})
-    narrow = plan(16, 8, True, 65, 2048, dev)
-    assert (narrow["block_n"], narrow["launch"]) == (64, {})
-    assert (plan(16, 8, True, 256, 2048, dev, kv_itemsize=1)["launch"]) == {}
-    assert (plan(16, 8, False, 256, 2048, dev)["block_n"], plan(16, 8, False, 256, 2048, dev)["launch"]) == (64, {})
+    setting = lambda p: (p["block_n"], p["launch"], p["splits"])  # noqa: E731
+    assert setting(plan(16, 8, True, 33, 2048, dev)) == (128, {"num_stages": 2}, 2)  # 264 programs = 2 per unit
+    assert setting(plan(16, 8, True, 98, 2048, dev)) == (128, {"num_stages": 2}, 2)  # 784 < 6 per unit
+    assert setting(plan(16, 8, True, 99, 2048, dev)) == (128, {"num_stages": 2}, 1)
+    assert setting(plan(16, 8, True, 64, 511, dev)) == (128, {"num_stages": 2}, 1)  # too short to split
+    assert setting(plan(16, 8, True, 32, 2048, dev)) == (64, {}, 2)  # num_splits_for's: 2 reaches 2 per unit
+    assert plan(16, 8, True, 256, 2048, dev, kv_itemsize=1)["launch"] == {}
+    assert plan(16, 8, True, 64, 2048, dev, kv_itemsize=1)["splits"] == 1
+    assert setting(plan(16, 8, False, 64, 2048, dev))[:2] == (64, {})  # mixed: num_splits_for decides
     # float32 caches and heads over 128 keep 64 positions (two wide stages would overflow shared memory)
     for kw in ({"kv_itemsize": 4}, {"head_dim": 256}):
-        assert (plan(16, 8, True, 256, 2048, dev, **kw)["block_n"], plan(16, 8, True, 256, 2048, dev, **kw)["launch"]) == (64, {})
+        assert setting(plan(16, 8, True, 64, 2048, dev, **kw)) == (64, {}, 1)
 
 
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
-def test_paged_attention_wide_decode_tiles_match_twin(dtype, monkeypatch):
-    """A decode batch that takes the wide tiles (a device of 2 compute units makes 6 sequences x 2
-    KV heads enough), contexts ending on, before and past 128-position trips."""
-    monkeypatch.setattr(triton_attention, "compute_units", lambda device: 2)
+@pytest.mark.parametrize("units", [2, 3])
+def test_paged_attention_wide_decode_tiles_match_twin(dtype, units, monkeypatch):
+    """A decode batch that takes the wide tiles (6 sequences x 2 KV heads on a device of 2 compute
+    units; of 3, where a GPU also splits the KV range in two), contexts ending on, before and past
+    128-position trips."""
+    monkeypatch.setattr(triton_attention, "compute_units", lambda device: units)
     seqs = [(127, 1), (128, 1), (300, 1), (5, 1), (255, 1), (1000, 1)]
     q, k, v, kc, vc, meta = make_step(random.Random(7), seqs, 6, 2, 128, 16, dtype)
     plan = triton_attention.prepare(meta, 6, 2, q.device, kc.element_size(), 128)
     assert plan["block_n"] == 128
+    assert plan["splits"] == (1 if units == 2 or q.device.type == "cpu" else 2)
     want = reference.paged_attention(q.float(), k.float(), v.float(), kc.float(), vc.float(), fresh(meta), 128**-0.5)
     got = triton_attention.paged_attention(q, k, v, kc, vc, meta, 128**-0.5)
     assert got.dtype == dtype and rel_err(got, want) < TOL[dtype]
