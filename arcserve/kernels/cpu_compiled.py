@@ -30,7 +30,8 @@ runs both through generic paths (measured on a 2-vCPU AVX2 AMD EPYC, docs/BENCHM
   reads a symbolic size, so the same kernel serves every context length.
 
 Rounding: the small-op groups are compiled with inductor's `emulate_precision_casts`, so they round
-where eager PyTorch rounds (the same bits as reference.py's ops, at the token counts of the tests;
+where eager PyTorch rounds (where this torch's inductor does so: cpu_inductor.rounds_as_eager; the
+same bits as reference.py's ops, at the token counts of the tests;
 at thousands of tokens torch's RMSNorm sums in another order, and a few values of a 2,048-token
 norm came out one bf16 ulp apart); products accumulate in float32 and
 round once to the activations' dtype, as torch's do (the summation order differs); attention

@@ -13,8 +13,9 @@ startup (ModelRunner.warm_up: one one-token step, whose kernels serve every cont
 mirror layout, except a mirror of one row, whose kernels a later layout of more rows does not
 share, then a two-row step; on a 2-vCPU AVX2 EPYC, SmolLM2-135M, ~25-28 s with an empty inductor
 cache, ~7 s with it warm, most of that importing inductor). If compiling fails (no C++ compiler, an
-inductor change), `failed` holds the error and every compiled path turns itself off with a
-warning: the eager ops run. `enforce_eager=True` (`--enforce-eager`) keeps the eager ops from the
+inductor change), or this torch's inductor does not round as eager PyTorch does (rounds_as_eager:
+torch 2.11), `failed` holds the error and every compiled path turns itself off with a warning:
+the eager ops run. `enforce_eager=True` (`--enforce-eager`) keeps the eager ops from the
 start.
 """
 
@@ -25,6 +26,8 @@ import logging
 from collections.abc import Callable
 
 import torch
+
+from arcserve.kernels import reference
 
 log = logging.getLogger("arcserve")
 
@@ -66,6 +69,9 @@ def kernel(fn: Callable, args: tuple, dynamic: dict[int, tuple[int, ...]] | None
         if failed:
             return None
         try:
+            if not rounds_as_eager():
+                raise RuntimeError(f"torch {torch.__version__}'s inductor rounds half-precision values between ops "
+                                   "in one go where eager PyTorch rounds after each op (torch 2.13 rounds as eager)")  # fmt: skip
             got = compiled[key] = _direct(_compile(functools.partial(fn, **static), args, dynamic or {}), args)
         except Exception as e:  # noqa: BLE001 (any compiler failure: fall back to the eager ops)
             failed.append(f"{type(e).__name__}: {e}")
@@ -74,6 +80,18 @@ def kernel(fn: Callable, args: tuple, dynamic: dict[int, tuple[int, ...]] | None
     if dynamic:
         _remember_exact(exact, got)
     return got
+
+
+@functools.cache
+def rounds_as_eager() -> bool:
+    """Whether this torch's inductor, with emulate_precision_casts, rounds a bf16 SiLU-mul's
+    intermediate as eager PyTorch does: the compiled kernels' contract is the eager ops' bits. Not
+    so under torch 2.11 (its CPU code keeps silu(x) in float32 until the product, then rounds once:
+    ~27% of the values of random inputs one bf16 ulp apart); torch 2.13 rounds as eager. A compile
+    error propagates (the caller's fallback handles it)."""
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(0)).bfloat16()
+    got = _compile(reference.silu_and_mul, (x,), {})(x)
+    return torch.equal(got[0] if isinstance(got, (list, tuple)) else got, reference.silu_and_mul(x))
 
 
 def kernels() -> set:

@@ -98,13 +98,16 @@ def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dt
 
     def rows_kernel(*args):
         run = cpu_rows_attention.decode_attention(*args)
+        if run is None:
+            return None
 
         def counted(q, layer):
             out = run(q, layer)
             ran.append(out is not None)
             return out
 
-        return run and counted
+        counted.lens, counted.window = run.lens, run.window  # what the mirror's fallback to SDPA reads
+        return counted
 
     rows = rows_kernel if seed >= 17 else None
     cache = None if cache == "rows" else cache
@@ -168,8 +171,8 @@ def test_mirror_matches_reference_over_changing_batches(seed, window, budget, dt
             seqs[sid] = s + n
     # The big budget serves decodes from the mirror; the tiny one must fall back every time.
     assert used_mirror == (budget > 4000)
-    if rows is not None:  # the kernel ran its steps (it compiles where a C++ compiler is), else SDPA did
-        assert ran and all(ran) == (not cpu_inductor.failed)
+    if rows is not None:  # the kernel ran its steps where it compiles, else SDPA did (after one failed try, or none)
+        assert (ran and all(ran)) if not cpu_inductor.failed else not any(ran)
 
 
 def brute_force(q, kc, vc, meta, scale, window):

@@ -1,7 +1,8 @@
 """cpu_compiled: one-token kernels compiled by inductor for half models on CPUs that emulate half
 products. The small-op groups must give the eager ops' exact bits, the one-token product the
 float32 product rounded once (within an ulp: the summation order differs), and a failed compile
-must fall back to the eager ops. Without a C++ compiler on the machine, the fallback is what runs."""
+must fall back to the eager ops. Without a C++ compiler on the machine, or under an inductor that
+does not round as eager PyTorch does (torch 2.11), the fallback is what runs (COMPILES)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,18 @@ from arcserve.kernels import (
     reference,
 )
 
-HAVE_CXX = shutil.which("g++") is not None  # what inductor compiles its CPU kernels with
+
+def _compiles() -> bool:
+    """Whether the compiled kernels run here: a C++ compiler (what inductor compiles its CPU kernels
+    with) and an inductor that rounds as eager PyTorch does (cpu_inductor.rounds_as_eager: torch
+    2.13's does, 2.11's does not); elsewhere every compiled path falls back to the eager ops."""
+    try:
+        return shutil.which("g++") is not None and cpu_inductor.rounds_as_eager()
+    except Exception:  # noqa: BLE001 (a compile that fails: the fallback runs, as without a compiler)
+        return False
+
+
+COMPILES = _compiles()
 NATIVE_BF16 = reference.native_half_matmul(torch.bfloat16)  # this CPU's (read before the fixture patches it)
 
 
@@ -45,7 +57,7 @@ def compiled_keys(fn) -> int:
 
 def check_compiled(fn) -> None:
     """With a compiler the kernel must have compiled; without, the eager ops ran after a failure."""
-    if HAVE_CXX:
+    if COMPILES:
         assert not cpu_inductor.failed, cpu_inductor.failed
         assert compiled_keys(fn) > 0
     else:
@@ -117,7 +129,7 @@ def test_small_ops_of_many_tokens_run_one_kernel_for_every_count(monkeypatch):
         want = reference.qkv_prepare(qkv, nq, *norms, 1e-6, rope, caches[2], caches[3], slots)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
         assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-    if HAVE_CXX:
+    if COMPILES:
         for fn in (reference.fused_add_rms_norm, reference.silu_and_mul, cpu_compiled._norm_rope):
             assert compiled_keys(fn) == 2, fn  # one token; every other count
         layouts = len(cpu_inductor.compiled)
@@ -139,7 +151,7 @@ def test_exact_layout_entries_are_bounded(monkeypatch):
         x = torch.randn(t, 16).to(torch.bfloat16)
         cpu_compiled.fused_add_rms_norm(x, x, w, 1e-6)
     exact = [k for k in cpu_inductor.compiled if k[0] is cpu_inductor._EXACT]
-    if HAVE_CXX:
+    if COMPILES:
         assert 1 <= len(exact) <= 3 and len(cpu_inductor.kernels()) == 1
         assert exact[-1][3][0] == (8, 16)  # the latest layout is kept (x, after _EXACT, fn and eps)
     else:
@@ -182,6 +194,7 @@ def test_a_failed_compile_falls_back_to_the_eager_ops(monkeypatch, caplog):
         raise RuntimeError("no C++ compiler here")
 
     monkeypatch.setattr(cfx, "compile_fx", broken)
+    monkeypatch.setattr(cpu_inductor, "rounds_as_eager", lambda: True)  # (a compile that fails, whatever the torch)
     g = torch.Generator().manual_seed(3)
     x, r = torch.randn(1, 40, generator=g).bfloat16(), torch.randn(1, 40, generator=g).bfloat16()
     w = torch.randn(40, generator=g).bfloat16()
@@ -194,6 +207,19 @@ def test_a_failed_compile_falls_back_to_the_eager_ops(monkeypatch, caplog):
     monkeypatch.setattr(cfx, "compile_fx", lambda *a, **k: pytest.fail("compiled again after a failure"))
     h, res = cpu_compiled.fused_add_rms_norm(x, r, w, 0.456)
     assert torch.equal(h, reference.fused_add_rms_norm(x, r, w, 0.456)[0])
+
+
+def test_an_inductor_that_rounds_otherwise_falls_back_to_the_eager_ops(monkeypatch, caplog):
+    """Where inductor would not give the eager ops' bits (rounds_as_eager false, as under torch
+    2.11), nothing is compiled: the first kernel asked for records why, warns, and the eager ops run."""
+    monkeypatch.setattr(cpu_inductor, "rounds_as_eager", lambda: False)
+    monkeypatch.setattr(cpu_inductor, "compiled", {})
+    g = torch.Generator().manual_seed(5)
+    gu, wl = torch.randn(1, 64, generator=g).bfloat16(), torch.randn(24, 32, generator=g).bfloat16()
+    with caplog.at_level(logging.WARNING, logger="arcserve"):
+        assert torch.equal(cpu_compiled.silu_mul_linear(gu, wl), reference.silu_mul_linear(gu, wl))
+    assert "rounds as eager" in caplog.text and "rounds half-precision values" in cpu_inductor.failed[0]
+    assert not cpu_inductor.kernels() and cpu_inductor.kernel(reference.silu_and_mul, (gu,)) is None
 
 
 def test_enforce_eager_keeps_the_eager_ops():
@@ -239,7 +265,7 @@ def test_engine_decodes_the_same_tokens_compiled_and_eager(llama_dir, monkeypatc
     monkeypatch.setattr(cpu_layer, "_run", lambda *args: whole.append(run(*args)) or whole[-1])
     got = fast.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
     assert got == want
-    if HAVE_CXX:  # the one-token steps took the compiled layers (tests/kernels/test_cpu_layer.py) and LM head
+    if COMPILES:  # the one-token steps took the compiled layers (tests/kernels/test_cpu_layer.py) and LM head
         assert compiled_keys(cpu_compiled._gemv) and not cpu_inductor.failed
         layers = len(fast.llm_engine.model.layers)
         assert sum(w is not None for w in whole) == (len(want) - 1) * layers  # every decode step's every layer
@@ -294,7 +320,7 @@ def test_layer_halves_in_one_call_give_the_per_op_bits(bias, qk_norm, first):
     eager = get_ops("torch", torch.device("cpu"), compiled=False)
     e = eager.post_attention(attn, got[3], lw, eps)
     assert torch.equal(out[1], e[1]) and torch.allclose(out[0].float(), e[0].float(), rtol=0.05, atol=0.05)
-    if HAVE_CXX:
+    if COMPILES:
         assert compiled_keys(cpu_compiled._pre) > before and compiled_keys(cpu_compiled._post) > 0
     # more tokens: the ops one by one, which are the eager ops there
     a5, r5 = torch.randn(5, nq * d, generator=g).to(dtype), torch.randn(5, hidden, generator=g).to(dtype)
@@ -336,7 +362,7 @@ def test_one_token_attention_matches_sdpa(dtype, heads, kvh):
         want = F.scaled_dot_product_attention(
             q.float().view(1, kvh, heads // kvh, d), K[:, :, :length], V[:, :, :length], scale=0.3
         ).view(1, heads, d)  # fmt: skip
-        if not HAVE_CXX:
+        if not COMPILES:
             assert got is None and cpu_inductor.failed
             return
         assert got.shape == (1, heads, d) and got.dtype == dtype
@@ -404,7 +430,7 @@ def test_mirror_single_decoder_through_the_compiled_attention(cache):
     # every one-row step (all but the prefill) asked for the kernel once; it ran on every layer
     # where it compiled (without a compiler: the first step's layers failed, later steps asked in vain)
     assert planned == list(range(6, 155))
-    if HAVE_CXX:
+    if COMPILES:
         assert ran == [True] * (len(planned) * layers)
     else:
         assert ran == [False] * layers and cpu_inductor.failed
@@ -415,7 +441,7 @@ def test_compiled_kernels_skip_inductors_wrapper_where_it_gives_the_same():
     what inductor's wrapper gives (tensors, views of inputs, one output unpacked as the wrapper
     unpacks it); the wrapper otherwise."""
     x = torch.randn(1, 24).bfloat16()
-    if not HAVE_CXX:  # no compiled kernels at all: the callers run the eager ops
+    if not COMPILES:  # no compiled kernels at all: the callers run the eager ops
         assert cpu_inductor.run(lambda t: t + 1, (x,)) is None and cpu_inductor.failed
         return
 

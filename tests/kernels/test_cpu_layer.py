@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_cpu_compiled import HAVE_CXX, compiled_keys, emulated_half  # noqa: F401 (the autouse fixture)
+from test_cpu_compiled import COMPILES, compiled_keys, emulated_half  # noqa: F401 (the autouse fixture)
 from test_cpu_compiled import _layer as layer_weights
 from tiny_models import make_model_dir
 
@@ -97,7 +97,7 @@ def test_whole_layer_steps_give_the_layer_by_layer_bits(three_layer_dirs, arch, 
     counts = Counts(monkeypatch)
     got = decode(three_layer_dirs[arch], True, prompt)
     assert_same(got, want)
-    if HAVE_CXX:
+    if COMPILES:
         assert not cpu_inductor.failed, cpu_inductor.failed
         assert compiled_keys(cpu_layer._layer) == 1  # one graph for every layer, the first one's included
         assert counts.layers == ALONE * LAYERS
@@ -125,7 +125,7 @@ def test_the_one_token_kernels_compile_at_startup(three_layer_dirs, monkeypatch)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 30, 40, 90)]
     llm.generate([{"prompt_token_ids": list(range(5 + i, 15 + i))} for i in range(4)], params, use_tqdm=False)
     assert runner.decode_mirror.k.shape != layout  # 4 rows: it grew (the last request then decoded alone)
-    if HAVE_CXX:
+    if COMPILES:
         assert compiled_keys(cpu_layer._layer) == 1  # one graph for every layer, the first one's included
         assert cpu_inductor.kernels() == kernels
     else:
@@ -157,7 +157,7 @@ def test_a_layer_that_cannot_hands_the_step_to_the_layer_by_layer_path(three_lay
             None if fn is cpu_layer._layer else kernel(fn, args, dynamic, **static)))  # fmt: skip
     got = decode(model_dir, True)
     assert_same(got, want)
-    if HAVE_CXX:
+    if COMPILES:
         whole = 1 if why == "weights" else 0  # layer 0 of each step, or none
         assert counts.layers == ALONE * whole
         assert counts.stores == BOTH * LAYERS + ALONE * (LAYERS - whole)
@@ -204,5 +204,5 @@ def test_the_first_layers_residual_changes_no_bit(dtype, monkeypatch):
         assert torch.equal(bits(got[3]), bits(x))
         for a, b in zip(got, want):
             assert torch.equal(bits(a), bits(b))
-    if HAVE_CXX:
+    if COMPILES:
         assert not cpu_inductor.failed and compiled_keys(cpu_compiled._pre) == 1  # (the compiled pre half ran)
