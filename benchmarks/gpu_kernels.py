@@ -293,16 +293,20 @@ def attention_mid() -> None:
         fn = lambda: triton_attention.paged_attention(q, None, None, kc, vc, meta, d**-0.5, None, 0)  # noqa: E731
         pct = lambda us: 100 * 4 * int(lens.sum()) * kvh * d / (us * 1e-6) / rd  # noqa: E731
         ref, default = fn().float(), graph_time([fn])
-        found = []
+        found, skipped = [], 0
         for warps, stages, block_n, splits in combos:
             plan.update(block_n=block_n, launch={"num_warps": warps, "num_stages": stages}, splits=splits)
-            with contextlib.suppress(triton.runtime.errors.OutOfResources):
-                assert float((fn().float() - ref).norm() / ref.norm()) < 2e-2
-                found.append((graph_time([fn]), warps, stages, block_n, splits))
+            try:
+                out = fn().float()
+            except Exception:  # noqa: BLE001 (a setting this Triton cannot compile or launch: skipped, counted)
+                skipped += 1
+                continue
+            assert float((out - ref).norm() / ref.norm()) < 2e-2, (batch, warps, stages, block_n, splits)
+            found.append((graph_time([fn]), warps, stages, block_n, splits))
         plan.update(shipped)
         best = ", ".join(f"{us:.1f} ({pct(us):.1f}%) w{w} st{st} n{n} sp{sp}" for us, w, st, n, sp in sorted(found)[:4])
         lines.append(f"batch {batch:3d}: shipped {default:.1f} us ({pct(default):.1f}% of read; n{shipped['block_n']} "
-                     f"splits {shipped['splits']} {shipped['launch']}); best {best}")  # fmt: skip
+                     f"splits {shipped['splits']} {shipped['launch']}); best {best}; {skipped} settings skipped")  # fmt: skip
         print(lines[-1], flush=True)
     print("\n".join(lines))
 
