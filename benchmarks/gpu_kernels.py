@@ -105,20 +105,20 @@ def paged_meta(new: np.ndarray, ctx: np.ndarray, bs: int = 16, shuffled: bool = 
     return meta, int(nb.sum())
 
 
-def decode_meta(batch: int, ctx: int, kvh: int, bs: int = 16):
-    """Decode metadata: `batch` sequences of `ctx` tokens over distinct random blocks."""
-    return paged_meta(np.ones(batch, dtype=np.int64), np.full(batch, ctx), bs)
+def varied_decode_attention(lens: np.ndarray, h: int, kvh: int, d: int, cache_dtype=BF16):
+    """(plan, fn): a decode step's attention (16-position blocks) over sequences of lens[i] tokens,
+    random K/V (bf16, or an 8-bit cache); plan is its launch settings, changed in place to try others."""
+    meta, blocks = paged_meta(np.ones(len(lens), dtype=np.int64), lens, 16)
+    kc = torch.randn(blocks, 16, kvh, d, device=DEV, dtype=BF16).to(cache_dtype)
+    vc = torch.randn(blocks, 16, kvh, d, device=DEV, dtype=BF16).to(cache_dtype)
+    q = torch.randn(len(lens), h, d, device=DEV, dtype=BF16)
+    plan = triton_attention.prepare(meta, h, kvh, DEV, kc.element_size())
+    return plan, lambda: triton_attention.paged_attention(q, None, None, kc, vc, meta, d**-0.5, None, 0)
 
 
 def decode_attention(batch: int, ctx: int, h: int, kvh: int, d: int, cache_dtype=BF16):
-    """(plan, fn): a decode step's attention over random KV (bf16, or an 8-bit cache); fn runs it,
-    plan is its launch settings (change them in place to try others)."""
-    meta, nblocks = decode_meta(batch, ctx, kvh)
-    kc = torch.randn(nblocks, 16, kvh, d, device=DEV, dtype=BF16).to(cache_dtype)
-    vc = torch.randn(nblocks, 16, kvh, d, device=DEV, dtype=BF16).to(cache_dtype)
-    q = torch.randn(batch, h, d, device=DEV, dtype=BF16)
-    plan = triton_attention.prepare(meta, h, kvh, DEV, kc.element_size())
-    return plan, lambda: triton_attention.paged_attention(q, None, None, kc, vc, meta, d**-0.5, None, 0)
+    """varied_decode_attention over `batch` sequences of `ctx` tokens each."""
+    return varied_decode_attention(np.full(batch, ctx), h, kvh, d, cache_dtype)
 
 
 def prefill_meta(T: int):
@@ -166,20 +166,16 @@ def attention_varied(cache_dtype=BF16) -> None:
     from gpu_bench import copy_bandwidth
 
     bw = copy_bandwidth()
-    h, kvh, d, bs = 16, 8, 128, 16
+    h, kvh, d = 16, 8, 128
     rng = np.random.default_rng(0)
     for batch, lo, hi in ((32, 1000, 2048), (64, 200, 2048), (64, 1000, 2048), (128, 200, 2048),
                           (128, 800, 2048), (192, 200, 1800), (256, 200, 1600)):  # fmt: skip
         lens = rng.integers(lo, hi + 1, batch)
-        meta, blocks = paged_meta(np.ones(batch, dtype=np.int64), lens, bs)
-        kc = torch.randn(blocks, bs, kvh, d, device=DEV, dtype=BF16).to(cache_dtype)
-        vc = torch.randn(blocks, bs, kvh, d, device=DEV, dtype=BF16).to(cache_dtype)
-        q = torch.randn(batch, h, d, device=DEV, dtype=BF16)
-        plan = triton_attention.prepare(meta, h, kvh, DEV, kc.element_size())
+        plan, fn = varied_decode_attention(lens, h, kvh, d, cache_dtype)
         floor, chosen = 2 * cache_dtype.itemsize * int(lens.sum()) * kvh * d / bw * 1e6, plan["splits"]
         for splits in (1, 2, 4, 8):
             plan["splits"] = splits
-            us = graph_time([lambda: triton_attention.paged_attention(q, None, None, kc, vc, meta, d**-0.5, None, 0)])
+            us = graph_time([fn])
             mark = "*" if splits == chosen else " "
             print(f"batch {batch:4d} ctx {lo}-{hi} splits {splits}{mark} {us:8.1f} us  floor {floor:7.1f}  {100 * floor / us:5.1f}%")
 
@@ -278,19 +274,14 @@ def attention_mid() -> None:
     launch grid than attention-layout (warps 1-8, stages 2-5, 16-128 positions a trip, the KV range
     whole or split in two): the shipped plan against the four best, % of the plain read rate."""
     rd = read_ceiling()
-    h, kvh, d, bs = 16, 8, 128, 16
+    h, kvh, d = 16, 8, 128
     rng = np.random.default_rng(0)
     combos = list(itertools.product((1, 2, 4, 8), (2, 3, 4, 5), (16, 32, 64, 128), (1, 2)))
     lines = []
     for batch in (32, 64, 96, 128, 192, 256):
         lens = rng.integers(200, 2049, batch)
-        meta, blocks = paged_meta(np.ones(batch, dtype=np.int64), lens, bs)
-        kc = torch.randn(blocks, bs, kvh, d, device=DEV, dtype=BF16)
-        vc = torch.randn(blocks, bs, kvh, d, device=DEV, dtype=BF16)
-        q = torch.randn(batch, h, d, device=DEV, dtype=BF16)
-        plan = triton_attention.prepare(meta, h, kvh, DEV, 2)
+        plan, fn = varied_decode_attention(lens, h, kvh, d)
         shipped = dict(plan)
-        fn = lambda: triton_attention.paged_attention(q, None, None, kc, vc, meta, d**-0.5, None, 0)  # noqa: E731
         pct = lambda us: 100 * 4 * int(lens.sum()) * kvh * d / (us * 1e-6) / rd  # noqa: E731
         ref, default = fn().float(), graph_time([fn])
         found, skipped = [], 0
@@ -361,6 +352,10 @@ def prefill_sweep() -> None:
             print(f"  rows {rows:4d} BLOCK_N {block_n:4d} warps {warps} stages {stages}: {us:8.1f} us  {100 * floor / us:5.1f}% of floor")
 
 
+# Qwen3-0.6B's decoder matrices: (outputs, inputs)
+QWEN3_06B_MATRICES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
+
+
 @triton.jit
 def _batch_mm(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, BM: tl.constexpr, BN: tl.constexpr,
               BK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
@@ -394,14 +389,13 @@ def batch_gemm(wide: bool = False) -> None:
     per batch size), to see whether the ~6-9 us each product takes at these sizes is the library's.
     wide (`batch-gemm-wide`): 64-256 rows only, row tiles of 64-256 and 4 or 8 warps (one row tile
     reads each weight once), the first weight tile loaded before the wait."""
-    shapes = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
     grid = list(itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (0, 1), (3, 4), (4,)))
     if wide:
         grid = list(itertools.product((64, 128, 256), (32, 64, 128), (64, 128), (1,), (3, 4), (4, 8)))
     for m in (64, 128, 256) if wide else (8, 32, 64, 128, 256):
         per_setting: dict = {}
         lib_total = 0.0
-        for name, (n, k) in shapes.items():
+        for name, (n, k) in QWEN3_06B_MATRICES.items():
             ws = copies(lambda n=n, k=k: torch.randn(n, k, device=DEV, dtype=BF16) * 0.02, 2 * n * k)
             x = torch.randn(m, k, device=DEV, dtype=BF16)
             lib = graph_time([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
@@ -491,14 +485,13 @@ def batch_gemm_splitk() -> None:
     1-8 programs per output tile (more programs for the narrow o and down products, whose tiles
     alone leave most compute units idle), over a grid of tiles; every candidate is checked against
     a float64 product and for equal bits on a second run (the merge order is fixed)."""
-    shapes = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
     narrow = list(itertools.product((64, 128), (32, 64, 128), (64, 128), (1, 2, 4, 8), (4, 8), (3,)))
     wide = list(itertools.product((64, 128), (64, 128), (64,), (1, 2, 4), (4, 8), (3,)))
     parts: dict = {}
     summary = []
     for m in (64, 128, 192, 256):
         lib_total = best_total = 0.0
-        for name, (n, k) in shapes.items():
+        for name, (n, k) in QWEN3_06B_MATRICES.items():
             ws = copies(lambda n=n, k=k: torch.randn(n, k, device=DEV, dtype=BF16) * 0.02, 2 * n * k)
             x = torch.randn(m, k, device=DEV, dtype=BF16)
             lib = graph_time([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])

@@ -56,12 +56,7 @@ TILES = (32, 16)  # outputs side by side in the rows16 layout, widest that divid
 
 
 def _one_token(x: torch.Tensor) -> bool:
-    return x.shape[0] == 1 and not cpu_inductor.failed and reference.compiled_half(x.dtype)
-
-
-def _small_ops(x: torch.Tensor) -> bool:
-    """Whether the small-op groups over x's rows (tokens, any count) run compiled."""
-    return not cpu_inductor.failed and reference.compiled_half(x.dtype)
+    return x.shape[0] == 1 and cpu_inductor.serves(x.dtype)
 
 
 def _rows(x: torch.Tensor, *more: int) -> dict[int, tuple[int, ...]] | None:
@@ -115,7 +110,7 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # the first layer's norm (no residual yet) is one op: left to the reference
-    if residual is not None and _small_ops(x):
+    if residual is not None and cpu_inductor.serves(x.dtype):
         got = cpu_inductor.run(reference.fused_add_rms_norm, (x, residual, weight), _rows(x, 1), eps=eps)
         if got is not None:
             return got[0], got[1]
@@ -131,7 +126,7 @@ def add_rms_norm_linear(
 
 
 def silu_mul_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    h = cpu_inductor.run(reference.silu_and_mul, (x,), _rows(x)) if _small_ops(x) else None
+    h = cpu_inductor.run(reference.silu_and_mul, (x,), _rows(x)) if cpu_inductor.serves(x.dtype) else None
     return reference.silu_mul_linear(x, weight, bias) if h is None else linear(h, weight, bias)
 
 
@@ -150,7 +145,7 @@ def qkv_prepare(qkv: torch.Tensor, num_q: int, q_norm: torch.Tensor | None, k_no
                 eps: float, rope: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                 neox: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """reference.qkv_prepare, q/k norm and RoPE as one compiled kernel (any token count)."""
-    if _small_ops(qkv):
+    if cpu_inductor.serves(qkv.dtype):
         norms = () if q_norm is None else (q_norm, k_norm)
         rows = _rows(qkv, *range(1 + len(norms), 1 + len(norms) + len(rope)))  # (qkv and the rope tensors)
         got = cpu_inductor.run(_norm_rope, (qkv, *norms, *rope), rows, num_q=num_q, eps=eps, neox=neox)
@@ -301,7 +296,7 @@ def warm_up_length(dtype: torch.dtype, max_model_len: int) -> int | None:
     decoding request of a process waited for them (measured on a 2-vCPU AVX2 EPYC, SmolLM2-135M:
     13-36 s, and 5-13 s more at each longer context bucket of the kernels before they took any
     length; docs/BENCHMARKS.md, session 28)."""
-    if cpu_inductor.failed or not reference.compiled_half(dtype):
+    if not cpu_inductor.serves(dtype):
         return None
     return min(SPAN_STEP, max_model_len)
 
@@ -312,6 +307,6 @@ def decode_attention(K: torch.Tensor, V: torch.Tensor, length: int, dtype: torch
     buffers K, V (cpu_attention.DecodeMirror's: float32, or the queries' `dtype`): the step's attention
     (OneRowAttention), decided here once per step, in place of SDPA. None where it does not apply
     (the caller runs SDPA): not a half model (reference.compiled_half)."""
-    if cpu_inductor.failed or not reference.compiled_half(dtype) or K.dtype not in (torch.float32, dtype):
+    if not cpu_inductor.serves(dtype) or K.dtype not in (torch.float32, dtype):
         return None
     return OneRowAttention(K, V, length, scale)

@@ -41,6 +41,12 @@ _EXACT_MAX = 8192
 _exact_added = 0
 
 
+def serves(dtype: torch.dtype) -> bool:
+    """Whether ops in `dtype` take the compiled kernels: a half dtype (reference.compiled_half) and
+    no compile has failed (asked by every compiled op: two lookups, no cache needed)."""
+    return not failed and reference.compiled_half(dtype)
+
+
 def run(fn: Callable, args: tuple, dynamic: dict[int, tuple[int, ...]] | None = None, **static):
     """fn(*args, **static) through its compiled kernel (kernel); None when compiling fails (the
     caller runs the eager ops)."""

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from arcserve.kernels import cpu_inductor, reference
+from arcserve.kernels import cpu_inductor
 
 BLOCK = 16  # positions a block: what the kernel reads, or skips (reads the row's first block instead)
 LANES = 16  # output lanes an accumulator sums (one AVX-512 float32 vector, two AVX2 ones)
@@ -99,11 +99,11 @@ def decode_attention(K: torch.Tensor, V: torch.Tensor, lens: torch.Tensor, width
     """For a step decoding len(lens) >= 2 sequences (`heads` queries each, in `dtype`) over the KV buffers K, V
     (float32 or `dtype`; rows 0.. of cpu_attention.DecodeMirror's, row i's first lens[i] positions valid, `width`
     the longest): the step's attention (RowsAttention), decided once per step, in place of SDPA.
-    None where it does not apply (the caller runs SDPA): not a half model (reference.compiled_half),
+    None where it does not apply (the caller runs SDPA): not a half model (cpu_inductor.serves),
     one row, a head size not a multiple of LANES, more query
     heads a KV head than the kernel's sums fit (MAX_SUMS)."""
     kvh, cap, hd = K.shape[2:]
-    if cpu_inductor.failed or not reference.compiled_half(dtype) or K.dtype not in (torch.float32, dtype) or len(lens) < 2:
+    if not cpu_inductor.serves(dtype) or K.dtype not in (torch.float32, dtype) or len(lens) < 2:
         return None
     if hd % LANES or cap % BLOCK or heads % kvh or heads // kvh * hd // LANES > MAX_SUMS:
         return None

@@ -196,18 +196,24 @@ def plan_tiles(qsl: np.ndarray, block_q: int, seq_lens: np.ndarray) -> tuple[np.
     return seq, q0
 
 
-def num_splits_for(num_tiles: int, num_kv_heads: int, max_ctx: int, units: int, decode_only: bool = True) -> int:
+def num_splits_for(num_tiles: int, num_kv_heads: int, max_ctx: int, units: int, decode_only: bool = True,
+                   wide: bool = False) -> int:  # fmt: skip
     """Split the KV range when the tiles alone would not fill the device (2 programs per compute
     unit for decode steps, up to 16 splits; 4 and 8 for mixed steps, whose few tiles are typically a
     short prompt chunk over a long cached prefix) and each split still gets at least 256 positions.
     One program merges a tile's splits, reading them one after another: for a mixed tile of 64 rows,
-    32 splits took ~60 us per layer on the H100 (16 new tokens over a 4,096-token cached prefix)."""
+    32 splits took ~60 us per layer on the H100 (16 new tokens over a 4,096-token cached prefix).
+    Decode steps on wide tiles (tile_plan) that fill the device with fewer than 6 programs per unit
+    split in two all the same (H200, `gpu_kernels.py attention-mid`: 64 sequences of 200-2,048
+    tokens 96.8 -> 87.0 us per layer, 96: 132.6 -> 126.8, 128 and up no gain)."""
     if triton_interpreting():
         return 1  # programs are costly there; the merge path has its own test
     per_unit, max_splits = (2, 16) if decode_only else (4, 8)
     programs = num_tiles * num_kv_heads
-    if programs >= per_unit * units or max_ctx < 512:
+    if max_ctx < 512:
         return 1
+    if programs >= per_unit * units:
+        return 2 if wide and programs < 6 * units else 1
     want = -(-per_unit * units // programs)
     return int(min(triton.next_power_of_2(want), max_splits, triton.next_power_of_2(max(1, max_ctx // 256))))
 
@@ -222,22 +228,18 @@ def tile_plan(num_heads: int, num_kv_heads: int, decode_only: bool, split_tiles:
     sequences 81.2 -> 65.1, 126.2 -> 118.9, 190.2 -> 178.7 us, batch 1 the same)."""
     block_q, g_pad = tile_shape(num_heads, num_kv_heads, decode_only, device)
     # Decode batches of at least 2 programs per compute unit over a 16-bit cache read faster with
-    # 128 positions a trip and 2 stages, and below 6 per unit with the KV range split in two
-    # (`gpu_kernels.py attention-mid`, sequences of 200-2,048 tokens, us per layer; H200: 64
-    # sequences 96.8 -> 87.0, 96: 132.6 -> 126.8, 128 and up unchanged; H100, `attention-layout`,
-    # 128 / 192 / 256 sequences, wide tiles alone: 240.1 -> 230.7, 295.7 -> 286.8, 342.6 -> 335.3).
-    # Heads up to 128 wide: the two stages of K and V tiles then take 128 KB of shared memory.
-    programs, units = split_tiles * num_kv_heads, compute_units(device)
-    wide = decode_only and kv_itemsize == 2 and head_dim <= 128 and programs >= 2 * units
+    # 128 positions a trip and 2 stages (H100, `gpu_kernels.py attention-layout`, 128 / 192 / 256
+    # sequences of 200-2,048 tokens: 240.1 -> 230.7, 295.7 -> 286.8, 342.6 -> 335.3 us; below 4 per
+    # unit with a split in two, num_splits_for). Heads up to 128 wide: the two stages of K and V
+    # tiles then take 128 KB of shared memory.
+    units = compute_units(device)
+    wide = decode_only and kv_itemsize == 2 and head_dim <= 128 and split_tiles * num_kv_heads >= 2 * units
     block_n = 128 if triton_interpreting() or (decode_only and (kv_itemsize == 1 or wide)) else 64
-    splits = num_splits_for(split_tiles, num_kv_heads, max_ctx, units, decode_only)
-    if wide and programs < 6 * units and max_ctx >= 512 and not triton_interpreting():
-        splits = 2
     return {
         "block_q": block_q,
         "g_pad": g_pad,
         "block_n": block_n,  # (the interpreter: fewer loop trips where each op is costly)
-        "splits": splits,
+        "splits": num_splits_for(split_tiles, num_kv_heads, max_ctx, units, decode_only, wide),
         "split_tiles": split_tiles,
         "launch": {"num_stages": 2} if wide and not triton_interpreting() else {},
     }
