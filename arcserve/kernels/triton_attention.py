@@ -39,21 +39,31 @@ from arcserve.platform import (
 def _attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, lse_ptr, count_ptr,
     block_tables_ptr, seq_lens_ptr, qsl_ptr, tile_seq_ptr, tile_q_ptr,
-    scale, window, tile_base,
+    scale, window, tile_base, num_tiles,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ot, stride_oh,
     stride_bt,
-    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
+    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_F32: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_prior_kernel(PDL)  # before anything, the padding tiles' return included (see triton_ops)
-    tile = tl.program_id(0) + tile_base
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    # The device starts programs in the order of their one index. HEADS_FIRST: a tile's KV heads
+    # (side by side in the cache) and splits one after another, tiles longest first (plan_tiles);
+    # else tiles first, then heads, then splits (see tile_plan).
+    pid = tl.program_id(0)
+    if HEADS_FIRST:
+        kvh = pid % KVH
+        split = (pid // KVH) % NUM_SPLITS
+        tile = pid // (KVH * NUM_SPLITS) + tile_base
+    else:
+        kvh = (pid // num_tiles) % KVH
+        split = pid // (num_tiles * KVH)
+        tile = pid % num_tiles + tile_base
     b = tl.load(tile_seq_ptr + tile)
     if b < 0:  # a padding tile of a captured graph
         return
@@ -145,7 +155,7 @@ def _attn_kernel(
         tl.store(out_ptr + out_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=o_mask)  # fmt: skip
     else:  # partial output and log-sum-exp, [T, H, NUM_SPLITS, (HEAD_PAD)]
-        H = tl.num_programs(1) * G
+        H = KVH * G
         first_slot = (out_rows * H + head) * NUM_SPLITS
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(part_ptr + (first_slot + split)[:, None] * HEAD_PAD + d[None, :], o, mask=o_mask)
@@ -154,7 +164,7 @@ def _attn_kernel(
         # Every thread's stores are issued before the counter's release; the last split to arrive
         # (its acquire sees all others' partials) merges, and leaves the counter at 0 for the next launch.
         tl.debug_barrier()
-        counter = count_ptr + tile * tl.num_programs(1) + kvh
+        counter = count_ptr + tile * KVH + kvh
         if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
             m_all = tl.full([M], float("-inf"), tl.float32)
             for j in tl.static_range(NUM_SPLITS):
@@ -242,6 +252,11 @@ def tile_plan(num_heads: int, num_kv_heads: int, decode_only: bool, split_tiles:
         "splits": num_splits_for(split_tiles, num_kv_heads, max_ctx, units, decode_only, wide),
         "split_tiles": split_tiles,
         "launch": {"num_stages": 2} if wide and not triton_interpreting() else {},
+        # Programs in the order heads, splits, tiles (H200, decode attention over sequences of
+        # 200-2,048 tokens, us per layer: 48 / 128 / 192 / 256 sequences 68.7 -> 60.7, 156.4 -> 141.1,
+        # 216.1 -> 199.6, 285.1 -> 274.1; throughput +2.4%), but for decode steps of under 2
+        # programs per unit (narrow tiles: 32 sequences 51.3 against 55.2 in that order).
+        "heads_first": wide or not decode_only,
     }
 
 
@@ -272,18 +287,19 @@ def paged_attention(
     for base, tiles, n_split in ((0, first, splits), (first, n - first, 1)):
         if not tiles:
             continue
-        _attn_kernel[(tiles, kvh, n_split)](
+        _attn_kernel[(tiles * kvh * n_split,)](
             q, k_cache, v_cache, out, part, lse, counts,
             meta.block_tables, meta.seq_lens, meta.query_start_loc, plan["tile_seq"], plan["tile_q"],
-            scale, sliding_window or 0, base,
+            scale, sliding_window or 0, base, tiles,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             out.stride(0), out.stride(1),
             meta.block_tables.stride(0),
-            G=H // kvh, G_PAD=plan["g_pad"], BLOCK_Q=plan["block_q"], HEAD_DIM=D, HEAD_PAD=head_pad,
+            KVH=kvh, G=H // kvh, G_PAD=plan["g_pad"], BLOCK_Q=plan["block_q"], HEAD_DIM=D, HEAD_PAD=head_pad,
             BLOCK_N=plan["block_n"], BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=n_split,
             USE_WINDOW=sliding_window is not None, DOT_F32=q.dtype == torch.float32 or triton_interpreting(),
+            HEADS_FIRST=plan["heads_first"],
             **plan.get("launch", {}), **triton_launch_options(q.device),
         )  # fmt: skip
     return out

@@ -396,12 +396,14 @@ def test_paged_attention_over_an_fp8_cache_matches_twin(cache_dtype, dtype, batc
 
 @pytest.mark.parametrize("splits", [2, 4, 16])
 @pytest.mark.parametrize("split_tiles", [None, 1])
-def test_split_kv_merge_equals_one_pass(splits, split_tiles):
+@pytest.mark.parametrize("heads_first", [True, False])
+def test_split_kv_merge_equals_one_pass(splits, split_tiles, heads_first):
     """The flash-decoding split (partials, merged by the last split to finish) gives what one
     program over the whole range gives: decodes, a prefill chunk over a cached prefix, and a short
     context where most splits are empty. split_tiles=1: as in a captured mixed graph, only the first
     tile (the chunk's, plan_tiles puts it first) splits, the other tiles and padding tiles run in a
-    second, unsplit launch. Run twice: the merge counters are left at zero."""
+    second, unsplit launch. Run twice: the merge counters are left at zero. In either order of the
+    programs (heads_first: a tile's heads and splits one after another; else tiles first)."""
     rng = random.Random(7)
     q, k, v, kc, vc, meta = make_step(rng, [(300, 1), (90, 1), (40, 20), (3, 1)], 4, 2, 64, 16, torch.float32)
     one = fresh(meta)
@@ -410,7 +412,7 @@ def test_split_kv_merge_equals_one_pass(splits, split_tiles):
     for _ in range(2):
         split = fresh(meta)
         plan = triton_attention.prepare(split, 4, 2, DEVICE)
-        plan["splits"] = splits
+        plan.update(splits=splits, heads_first=heads_first)
         if split_tiles is not None:
             assert int(plan["tile_seq"][0]) == 2  # the chunk's tile first
             pad = torch.full((3,), -1, dtype=plan["tile_seq"].dtype, device=DEVICE)
@@ -463,6 +465,9 @@ def test_decode_batches_over_a_16bit_cache_take_wide_two_stage_tiles(monkeypatch
     assert plan(16, 8, True, 256, 2048, dev, kv_itemsize=1)["launch"] == {}
     assert plan(16, 8, True, 64, 2048, dev, kv_itemsize=1)["splits"] == 1
     assert setting(plan(16, 8, False, 64, 2048, dev))[:2] == (64, {})  # mixed: num_splits_for decides
+    # programs start heads first, except in decode steps on narrow tiles
+    assert plan(16, 8, True, 33, 2048, dev)["heads_first"] and plan(16, 8, False, 4, 2048, dev)["heads_first"]
+    assert not plan(16, 8, True, 32, 2048, dev)["heads_first"]
     # float32 caches and heads over 128 keep 64 positions (two wide stages would overflow shared memory)
     for kw in ({"kv_itemsize": 4}, {"head_dim": 256}):
         assert setting(plan(16, 8, True, 64, 2048, dev, **kw)) == (64, {}, 1)
