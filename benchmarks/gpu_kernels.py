@@ -14,6 +14,9 @@ gaps do not count), over enough copies of its inputs to miss the L2 cache.
     python benchmarks/gpu_kernels.py attention-layout  # decode attention by cache layout and block size,
                                                        # beside a plain read kernel's bandwidth
     python benchmarks/gpu_kernels.py attention-mid     # decode attention at 32-256 sequences, wider launch grid
+    python benchmarks/gpu_kernels.py attention-order   # decode attention in both orders of its programs
+    python benchmarks/gpu_kernels.py attention-dealt   # the same, against items dealt to programs
+                                                       # (an experiment, not in arcserve)
     python benchmarks/gpu_kernels.py prefill-sweep     # mixed steps' prompt-chunk attention tiles
     python benchmarks/gpu_kernels.py batch-gemm        # decode-batch products (8-256 rows): cuBLAS against
                                                        # a plain Triton GEMM (an experiment, not in arcserve)
@@ -41,10 +44,12 @@ from arcserve.kernels.reference import AttentionMetadata
 from arcserve.kernels.triton_ops import wait_prior_kernel
 from arcserve.platform import (
     capture,
+    compute_units,
     graph_pool,
     new_graph,
     resolve_device,
     synchronize,
+    triton_interpreting,
     triton_launch_options,
 )
 
@@ -298,6 +303,156 @@ def attention_mid() -> None:
         best = ", ".join(f"{us:.1f} ({pct(us):.1f}%) w{w} st{st} n{n} sp{sp}" for us, w, st, n, sp in sorted(found)[:4])
         lines.append(f"batch {batch:3d}: shipped {default:.1f} us ({pct(default):.1f}% of read; n{shipped['block_n']} "
                      f"splits {shipped['splits']} {shipped['launch']}); best {best}; {skipped} settings skipped")  # fmt: skip
+        print(lines[-1], flush=True)
+    print("\n".join(lines))
+
+
+def attention_order() -> None:
+    """Decode attention (Qwen3-0.6B heads) in both orders of the kernel's programs (tile_plan's
+    heads_first: a tile's KV heads and splits one after another, or tiles first), at 1-256 sequences
+    of 200-2,048 tokens and at four batches of shorter or narrower contexts as a throughput run has
+    them; us per layer, best of three, the shipped order marked *."""
+    rng = np.random.default_rng(0)
+    cases = [(b, 200, 2049) for b in (1, 8, 32, 48, 64, 96, 128, 160, 192, 256)]
+    cases += [(256, 100, 1100), (192, 300, 1500), (128, 500, 1800), (64, 900, 2000)]
+    for batch, lo, hi in cases:
+        lens = rng.integers(lo, hi, batch) if batch > 8 else np.full(batch, 2048)
+        plan, fn = varied_decode_attention(lens, 16, 8, 128)
+        shipped = plan["heads_first"]
+        ref = fn().float()
+        row = []
+        for first in (True, False):
+            plan["heads_first"] = first
+            assert float((fn().float() - ref).norm() / ref.norm()) < 1e-2, (batch, first)
+            row.append(f"{'heads' if first else 'tiles'} first{'*' if first == shipped else ''} "
+                       f"{min(graph_time([fn]) for _ in range(3)):7.1f}")  # fmt: skip
+        plan["heads_first"] = shipped
+        print(f"batch {batch:3d} of {lo}-{hi - 1} tokens: " + ", ".join(row), flush=True)
+
+
+@triton.jit
+def _decode_dealt(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, tile_seq_ptr, num_tiles, scale_log2,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_bt,
+    KVH: tl.constexpr, G: tl.constexpr, M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_ITEMS: tl.constexpr, DOT_F32: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """A decode step's attention with its (sequence, KV head) items dealt to a fixed number of
+    programs: item ranks follow the tiles (longest context first, plan_tiles) times the KV heads, and
+    program p takes ranks i * P + p in even rounds i, i * P + P - 1 - p in odd ones (a snake, so each
+    program's total stays near the mean). A program walks all its items' loop trips as one loop,
+    so its loads stay pipelined from one item into the next instead of starting over per program."""
+    wait_prior_kernel(PDL)
+    p = tl.program_id(0)
+    P = tl.num_programs(0)
+    i = tl.arange(0, MAX_ITEMS)
+    rank = i * P + tl.where(i % 2 == 0, p, P - 1 - p)
+    ok = rank < num_tiles * KVH
+    b_i = tl.load(tile_seq_ptr + rank // KVH, mask=ok, other=-1)
+    ok = ok & (b_i >= 0)  # padding tiles of a captured graph
+    ctx_i = tl.load(seq_lens_ptr + b_i, mask=ok, other=0)
+    trips_i = tl.where(ok, tl.cdiv(ctx_i, BLOCK_N), 0)
+    total = tl.sum(trips_i)
+    start_i = tl.where(ok, tl.cumsum(trips_i, 0) - trips_i, total)  # first trip of each item
+    kvh_i = rank % KVH
+
+    rows = tl.arange(0, M)
+    row_ok = rows < G  # one token's G heads; the rest pads the rows tl.dot needs
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD_DIM
+    n_off = tl.arange(0, BLOCK_N)
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, HEAD_PAD], tl.float32)
+    for t in range(0, total):
+        # this trip's item, from registers (no load on the way to the K/V addresses)
+        sel = i == tl.sum((start_i <= t).to(tl.int32)) - 1
+        b = tl.sum(tl.where(sel, b_i, 0))
+        kvh = tl.sum(tl.where(sel, kvh_i, 0))
+        ctx = tl.sum(tl.where(sel, ctx_i, 0))
+        pos0 = (t - tl.sum(tl.where(sel, start_i, 0))) * BLOCK_N
+        head = kvh * G + rows
+        q = tl.load(q_ptr + b * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        kpos = pos0 + n_off
+        k_ok = kpos < ctx
+        blk = tl.load(block_tables_ptr + b * stride_bt + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        slot = kpos % BLOCK_SIZE
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                    mask=kv_mask, other=0.0)  # fmt: skip
+        v = tl.load(v_cache_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                    mask=kv_mask, other=0.0)  # fmt: skip
+        first = pos0 == 0  # a new item: its running maximum, sum and output start over
+        m_i = tl.where(first, float("-inf"), m_i)
+        l_i = tl.where(first, 0.0, l_i)
+        acc = tl.where(first, 0.0, acc)
+        if DOT_F32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale_log2
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where(k_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every trip holds a visible position
+        pr = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(pr, 1)
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(pr, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+        m_i = m_new
+        if pos0 + BLOCK_N >= ctx:  # the item's last trip
+            tl.store(out_ptr + b * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
+
+
+def dealt_attention(fn, programs: int, warps: int):
+    """The decode step of varied_decode_attention's fn through _decode_dealt on `programs` programs."""
+    env = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
+    q, kc, vc, meta = env["q"], env["kc"], env["vc"], env["meta"]
+    plan = meta.cache["triton"]
+    (_, H, D), kvh = q.shape, kc.shape[2]
+    items = max(2, triton.next_power_of_2(-(-plan["num_tiles"] * kvh // programs)))
+
+    def run():
+        out = torch.empty_like(q)
+        _decode_dealt[(programs,)](
+            q, kc, vc, out, meta.block_tables, meta.seq_lens, plan["tile_seq"], plan["num_tiles"], D**-0.5 * 1.4426950408889634,
+            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+            out.stride(0), out.stride(1), meta.block_tables.stride(0),
+            KVH=kvh, G=H // kvh, M=16, HEAD_DIM=D, HEAD_PAD=triton.next_power_of_2(D), BLOCK_N=128, BLOCK_SIZE=kc.shape[1],
+            MAX_ITEMS=items, DOT_F32=triton_interpreting(), num_stages=2, num_warps=warps, **triton_launch_options(DEV),
+        )  # fmt: skip
+        return out
+
+    return run
+
+
+def attention_dealt() -> None:
+    """An experiment, not in arcserve (session 41): decode attention whose (sequence, KV head) items
+    are dealt to 2-4 programs per compute unit (_decode_dealt), against the tile kernel as shipped, at
+    32-256 sequences of 200-2,048 tokens (Qwen3-0.6B heads); us per layer, % of the plain read rate."""
+    rd = read_ceiling()
+    h, kvh, d = 16, 8, 128
+    units = compute_units(DEV)
+    rng = np.random.default_rng(0)
+    lines = []
+    for batch in (32, 64, 96, 128, 192, 256):
+        lens = rng.integers(200, 2049, batch)
+        _, fn = varied_decode_attention(lens, h, kvh, d)
+        pct = lambda us: 100 * 4 * int(lens.sum()) * kvh * d / (us * 1e-6) / rd  # noqa: E731
+        ref = fn().float()
+        row = [("tiles", graph_time([fn]))]
+        for per_unit, warps in itertools.product((2, 3, 4), (4, 8)):
+            run = dealt_attention(fn, per_unit * units, warps)
+            assert float((run().float() - ref).norm() / ref.norm()) < 2e-2, (batch, per_unit, warps)
+            row.append((f"dealt {per_unit}/unit w{warps}", graph_time([run])))
+        lines.append(f"batch {batch:3d}: " + ", ".join(f"{k} {us:.1f} ({pct(us):.1f}%)" for k, us in row))
         print(lines[-1], flush=True)
     print("\n".join(lines))
 
@@ -617,6 +772,10 @@ def main() -> None:
         return attention_layout()
     if sys.argv[1:] == ["attention-mid"]:
         return attention_mid()
+    if sys.argv[1:] == ["attention-dealt"]:
+        return attention_dealt()
+    if sys.argv[1:] == ["attention-order"]:
+        return attention_order()
     if sys.argv[1:] == ["batch-gemm-splitk"]:
         return batch_gemm_splitk()
     if sys.argv[1:] in (["batch-gemm"], ["batch-gemm-wide"]):
