@@ -451,7 +451,7 @@ def test_decode_batches_over_a_16bit_cache_take_wide_two_stage_tiles(monkeypatch
     """Decode steps with at least 2 programs per compute unit read 128 positions a trip in 2
     stages over a 16-bit cache with heads up to 128 wide, and below 6 per unit split the KV range
     in two (contexts of 512 and more); smaller batches, mixed steps and other caches keep their
-    settings."""
+    settings. Programs start a tile's heads first, except in decode steps on the narrow tiles."""
     monkeypatch.setattr(triton_attention, "triton_interpreting", lambda: False)
     monkeypatch.setattr(triton_attention, "compute_units", lambda device: 132)
     plan = triton_attention.tile_plan
