@@ -307,6 +307,7 @@ def attention_mid() -> None:
     print("\n".join(lines))
 
 
+@torch.inference_mode()
 def attention_order() -> None:
     """Decode attention (Qwen3-0.6B heads) in both orders of the kernel's programs (tile_plan's
     heads_first: a tile's KV heads and splits one after another, or tiles first), at 1-256 sequences
@@ -433,6 +434,7 @@ def dealt_attention(fn, programs: int, warps: int):
     return run
 
 
+@torch.inference_mode()
 def attention_dealt() -> None:
     """An experiment, not in arcserve (session 41): decode attention whose (sequence, KV head) items
     are dealt to 2-4 programs per compute unit (_decode_dealt), against the tile kernel as shipped, at

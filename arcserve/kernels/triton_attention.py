@@ -252,10 +252,11 @@ def tile_plan(num_heads: int, num_kv_heads: int, decode_only: bool, split_tiles:
         "splits": num_splits_for(split_tiles, num_kv_heads, max_ctx, units, decode_only, wide),
         "split_tiles": split_tiles,
         "launch": {"num_stages": 2} if wide and not triton_interpreting() else {},
-        # Programs in the order heads, splits, tiles (H200, decode attention over sequences of
-        # 200-2,048 tokens, us per layer: 48 / 128 / 192 / 256 sequences 68.7 -> 60.7, 156.4 -> 141.1,
-        # 216.1 -> 199.6, 285.1 -> 274.1; throughput +2.4%), but for decode steps of under 2
-        # programs per unit (narrow tiles: 32 sequences 51.3 against 55.2 in that order).
+        # Programs in the order heads, splits, tiles (H200, `gpu_kernels.py attention-order`-style
+        # runs, decode attention over sequences of 200-2,048 tokens, us per layer: 48 / 128 / 192 /
+        # 256 sequences 68.7 -> 60.7, 156.4 -> 141.1, 216.1 -> 199.6, 285.1 -> 274.1; throughput
+        # +2.4%), but for decode steps off the wide tiles (under 2 programs per unit: 32 sequences
+        # 51.3 against 55.2 in that order; 8-bit caches, float32 ones, heads over 128: unmeasured).
         "heads_first": wide or not decode_only,
     }
 
