@@ -27,6 +27,7 @@ gaps do not count), over enough copies of its inputs to miss the L2 cache.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import sys
 import time
@@ -110,15 +111,32 @@ def paged_meta(new: np.ndarray, ctx: np.ndarray, bs: int = 16, shuffled: bool = 
     return meta, int(nb.sum())
 
 
-def varied_decode_attention(lens: np.ndarray, h: int, kvh: int, d: int, cache_dtype=BF16):
-    """(plan, fn): a decode step's attention (16-position blocks) over sequences of lens[i] tokens,
-    random K/V (bf16, or an 8-bit cache); plan is its launch settings, changed in place to try others."""
+def decode_inputs(lens: np.ndarray, h: int, kvh: int, d: int, cache_dtype=BF16):
+    """(q, k_cache, v_cache, meta) of a decode step over sequences of lens[i] tokens: random K/V
+    (bf16, or an 8-bit cache) in 16-position blocks; meta holds the step's tile plan."""
     meta, blocks = paged_meta(np.ones(len(lens), dtype=np.int64), lens, 16)
     kc = torch.randn(blocks, 16, kvh, d, device=DEV, dtype=BF16).to(cache_dtype)
     vc = torch.randn(blocks, 16, kvh, d, device=DEV, dtype=BF16).to(cache_dtype)
     q = torch.randn(len(lens), h, d, device=DEV, dtype=BF16)
-    plan = triton_attention.prepare(meta, h, kvh, DEV, kc.element_size())
-    return plan, lambda: triton_attention.paged_attention(q, None, None, kc, vc, meta, d**-0.5, None, 0)
+    triton_attention.prepare(meta, h, kvh, DEV, kc.element_size())
+    return q, kc, vc, meta
+
+
+def varied_decode_attention(lens: np.ndarray, h: int, kvh: int, d: int, cache_dtype=BF16):
+    """(plan, fn): decode_inputs' step through the shipped kernel; plan is its launch settings,
+    changed in place to try others."""
+    q, kc, vc, meta = decode_inputs(lens, h, kvh, d, cache_dtype)
+    return meta.cache["triton"], shipped_attention(q, kc, vc, meta)
+
+
+def shipped_attention(q, kc, vc, meta):
+    """fn: the step of decode_inputs through arcserve's paged attention (its plan in meta)."""
+    return functools.partial(triton_attention.paged_attention, q, None, None, kc, vc, meta, q.shape[-1] ** -0.5, None, 0)
+
+
+def read_pct(lens: np.ndarray, kvh: int, d: int, us: float, read_rate: float) -> float:
+    """% of the plain read rate at which a decode step over 16-bit K and V of lens[i] tokens ran."""
+    return 100 * 4 * int(lens.sum()) * kvh * d / (us * 1e-6) / read_rate
 
 
 def decode_attention(batch: int, ctx: int, h: int, kvh: int, d: int, cache_dtype=BF16):
@@ -287,7 +305,7 @@ def attention_mid() -> None:
         lens = rng.integers(200, 2049, batch)
         plan, fn = varied_decode_attention(lens, h, kvh, d)
         shipped = dict(plan)
-        pct = lambda us: 100 * 4 * int(lens.sum()) * kvh * d / (us * 1e-6) / rd  # noqa: E731
+        pct = functools.partial(read_pct, lens, kvh, d, read_rate=rd)
         ref, default = fn().float(), graph_time([fn])
         found, skipped = [], 0
         for warps, stages, block_n, splits in combos:
@@ -312,12 +330,13 @@ def attention_order() -> None:
     """Decode attention (Qwen3-0.6B heads) in both orders of the kernel's programs (tile_plan's
     heads_first: a tile's KV heads and splits one after another, or tiles first), at 1-256 sequences
     of 200-2,048 tokens and at four batches of shorter or narrower contexts as a throughput run has
-    them; us per layer, best of three, the shipped order marked *."""
+    them (1 and 8 sequences: 2,048 tokens each); us per layer, best of three, the shipped order
+    marked *."""
     rng = np.random.default_rng(0)
-    cases = [(b, 200, 2049) for b in (1, 8, 32, 48, 64, 96, 128, 160, 192, 256)]
+    cases = [(1, 2048, 2049), (8, 2048, 2049)] + [(b, 200, 2049) for b in (32, 48, 64, 96, 128, 160, 192, 256)]
     cases += [(256, 100, 1100), (192, 300, 1500), (128, 500, 1800), (64, 900, 2000)]
     for batch, lo, hi in cases:
-        lens = rng.integers(lo, hi, batch) if batch > 8 else np.full(batch, 2048)
+        lens = rng.integers(lo, hi, batch)
         plan, fn = varied_decode_attention(lens, 16, 8, 128)
         shipped = plan["heads_first"]
         ref = fn().float()
@@ -412,10 +431,8 @@ def _decode_dealt(
                      (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
 
 
-def dealt_attention(fn, programs: int, warps: int):
-    """The decode step of varied_decode_attention's fn through _decode_dealt on `programs` programs."""
-    env = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
-    q, kc, vc, meta = env["q"], env["kc"], env["vc"], env["meta"]
+def dealt_attention(q, kc, vc, meta, programs: int, warps: int):
+    """decode_inputs' step through _decode_dealt on `programs` programs."""
     plan = meta.cache["triton"]
     (_, H, D), kvh = q.shape, kc.shape[2]
     items = max(2, triton.next_power_of_2(-(-plan["num_tiles"] * kvh // programs)))
@@ -446,12 +463,13 @@ def attention_dealt() -> None:
     lines = []
     for batch in (32, 64, 96, 128, 192, 256):
         lens = rng.integers(200, 2049, batch)
-        _, fn = varied_decode_attention(lens, h, kvh, d)
-        pct = lambda us: 100 * 4 * int(lens.sum()) * kvh * d / (us * 1e-6) / rd  # noqa: E731
+        inputs = decode_inputs(lens, h, kvh, d)
+        fn = shipped_attention(*inputs)
+        pct = functools.partial(read_pct, lens, kvh, d, read_rate=rd)
         ref = fn().float()
         row = [("tiles", graph_time([fn]))]
         for per_unit, warps in itertools.product((2, 3, 4), (4, 8)):
-            run = dealt_attention(fn, per_unit * units, warps)
+            run = dealt_attention(*inputs, per_unit * units, warps)
             assert float((run().float() - ref).norm() / ref.norm()) < 2e-2, (batch, per_unit, warps)
             row.append((f"dealt {per_unit}/unit w{warps}", graph_time([run])))
         lines.append(f"batch {batch:3d}: " + ", ".join(f"{k} {us:.1f} ({pct(us):.1f}%)" for k, us in row))

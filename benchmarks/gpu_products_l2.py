@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_kernels import BF16, DEV, graph_time, varied_decode_attention  # noqa: E402
+from gpu_kernels import BF16, DEV, QWEN3_06B_MATRICES, graph_time, varied_decode_attention  # noqa: E402
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def _prefetch_l2(w_ptr, n, BLOCK: tl.constexpr):
 
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 28, 16, 8, 128
-SIZES = {"o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072), "qkv": (4096, 1024)}  # in run order
+SIZES = {name: QWEN3_06B_MATRICES[name] for name in ("o", "gate_up", "down", "qkv")}  # in run order
 
 
 @torch.inference_mode()
