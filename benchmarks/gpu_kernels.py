@@ -15,6 +15,7 @@ gaps do not count), over enough copies of its inputs to miss the L2 cache.
                                                        # beside a plain read kernel's bandwidth
     python benchmarks/gpu_kernels.py attention-mid     # decode attention at 32-256 sequences, wider launch grid
     python benchmarks/gpu_kernels.py attention-order   # decode attention in both orders of its programs
+    python benchmarks/gpu_kernels.py attention-splits  # decode attention at 4-256 sequences, by KV split
     python benchmarks/gpu_kernels.py attention-dealt   # the same, against items dealt to programs
                                                        # (an experiment, not in arcserve)
     python benchmarks/gpu_kernels.py prefill-sweep     # mixed steps' prompt-chunk attention tiles
@@ -348,6 +349,28 @@ def attention_order() -> None:
                        f"{min(graph_time([fn]) for _ in range(3)):7.1f}")  # fmt: skip
         plan["heads_first"] = shipped
         print(f"batch {batch:3d} of {lo}-{hi - 1} tokens: " + ", ".join(row), flush=True)
+
+
+@torch.inference_mode()
+def attention_splits() -> None:
+    """Decode attention (Qwen3-0.6B heads) at 4-256 sequences of 200-2,048 tokens, the KV range
+    split 1-16 ways (the shipped plan otherwise; its split marked *): us per layer, best of three,
+    and % of the plain read rate."""
+    rd = read_ceiling()
+    rng = np.random.default_rng(0)
+    for batch in (4, 8, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256):
+        lens = rng.integers(200, 2049, batch)
+        plan, fn = varied_decode_attention(lens, 16, 8, 128)
+        shipped = plan["splits"]
+        ref = fn().float()
+        row = []
+        for splits in (1, 2, 3, 4, 6, 8, 12, 16):
+            plan["splits"] = splits
+            assert float((fn().float() - ref).norm() / ref.norm()) < 1e-2, (batch, splits)
+            us = min(graph_time([fn]) for _ in range(3))
+            row.append(f"{splits}{'*' if splits == shipped else ''}: {us:.1f} ({read_pct(lens, 8, 128, us, rd):.0f}%)")
+        plan["splits"] = shipped
+        print(f"batch {batch:3d}: " + ", ".join(row), flush=True)
 
 
 @triton.jit
@@ -796,6 +819,8 @@ def main() -> None:
         return attention_dealt()
     if sys.argv[1:] == ["attention-order"]:
         return attention_order()
+    if sys.argv[1:] == ["attention-splits"]:
+        return attention_splits()
     if sys.argv[1:] == ["batch-gemm-splitk"]:
         return batch_gemm_splitk()
     if sys.argv[1:] in (["batch-gemm"], ["batch-gemm-wide"]):

@@ -207,15 +207,19 @@ def plan_tiles(qsl: np.ndarray, block_q: int, seq_lens: np.ndarray) -> tuple[np.
 
 
 def num_splits_for(num_tiles: int, num_kv_heads: int, max_ctx: int, units: int, decode_only: bool = True,
-                   wide: bool = False) -> int:  # fmt: skip
+                   wide: bool = False, kv16: bool = False) -> int:  # fmt: skip
     """Split the KV range when the tiles alone would not fill the device (2 programs per compute
-    unit for decode steps, up to 16 splits; 4 and 8 for mixed steps, whose few tiles are typically a
-    short prompt chunk over a long cached prefix) and each split still gets at least 256 positions.
-    One program merges a tile's splits, reading them one after another: for a mixed tile of 64 rows,
-    32 splits took ~60 us per layer on the H100 (16 new tokens over a 4,096-token cached prefix).
-    Decode steps on wide tiles (tile_plan) that fill the device with fewer than 6 programs per unit
-    split in two all the same (H200, `gpu_kernels.py attention-mid`: 64 sequences of 200-2,048
-    tokens 96.8 -> 87.0 us per layer, 96: 132.6 -> 126.8, 128 and up no gain)."""
+    unit for decode steps; 4 for mixed steps, whose few tiles are typically a short prompt chunk
+    over a long cached prefix) and each split still gets enough positions. One program merges a
+    tile's splits, reading them one after another: for a mixed tile of 64 rows, 32 splits took ~60
+    us per layer on the H100 (16 new tokens over a 4,096-token cached prefix), so mixed steps split
+    at most 8 ways; decode steps at most 16. A split gets ~256 positions at least. Decode steps over
+    a 16-bit cache (kv16) split to ~4 programs per unit, not only in powers of two; on wide tiles
+    (tile_plan), from 2 programs per unit up, they split in two below 4 per unit (H200,
+    `gpu_kernels.py attention-splits`, 200-2,048-token contexts, us per layer: 24 / 80 / 96
+    sequences 44.8 -> 36.3, 96.7 -> 88.4, 120.2 -> 112.9 against the rule before, which split to 2
+    per unit in powers of two, and in two on wide tiles below 6 per unit; 1-16, 32-64 and 128-256
+    sequences as before). Other decode steps keep that rule (8-bit caches: unmeasured)."""
     if triton_interpreting():
         return 1  # programs are costly there; the merge path has its own test
     per_unit, max_splits = (2, 16) if decode_only else (4, 8)
@@ -223,9 +227,11 @@ def num_splits_for(num_tiles: int, num_kv_heads: int, max_ctx: int, units: int, 
     if max_ctx < 512:
         return 1
     if programs >= per_unit * units:
-        return 2 if wide and programs < 6 * units else 1
-    want = -(-per_unit * units // programs)
-    return int(min(triton.next_power_of_2(want), max_splits, triton.next_power_of_2(max(1, max_ctx // 256))))
+        return 2 if wide and programs < 4 * units else 1
+    cap = min(max_splits, triton.next_power_of_2(max(1, max_ctx // 256)))
+    if decode_only and kv16:
+        return int(max(1, min(round(4 * units / programs), cap)))
+    return int(min(triton.next_power_of_2(-(-per_unit * units // programs)), cap))
 
 
 def tile_plan(num_heads: int, num_kv_heads: int, decode_only: bool, split_tiles: int, max_ctx: int,
@@ -240,16 +246,17 @@ def tile_plan(num_heads: int, num_kv_heads: int, decode_only: bool, split_tiles:
     # Decode batches of at least 2 programs per compute unit over a 16-bit cache read faster with
     # 128 positions a trip and 2 stages (H100, `gpu_kernels.py attention-layout`, 128 / 192 / 256
     # sequences of 200-2,048 tokens: 240.1 -> 230.7, 295.7 -> 286.8, 342.6 -> 335.3 us; below 4 per
-    # unit with a split in two, num_splits_for). Heads up to 128 wide: the two stages of K and V
-    # tiles then take 128 KB of shared memory.
+    # unit with a split in two, num_splits_for). Heads up to 128 wide (at 128: 66.5 KB of shared
+    # memory and 153-166 registers a thread, 3 programs per unit; ncu, H200).
     units = compute_units(device)
-    wide = decode_only and kv_itemsize == 2 and head_dim <= 128 and split_tiles * num_kv_heads >= 2 * units
+    kv16 = kv_itemsize == 2 and head_dim <= 128
+    wide = decode_only and kv16 and split_tiles * num_kv_heads >= 2 * units
     block_n = 128 if triton_interpreting() or (decode_only and (kv_itemsize == 1 or wide)) else 64
     return {
         "block_q": block_q,
         "g_pad": g_pad,
         "block_n": block_n,  # (the interpreter: fewer loop trips where each op is costly)
-        "splits": num_splits_for(split_tiles, num_kv_heads, max_ctx, units, decode_only, wide),
+        "splits": num_splits_for(split_tiles, num_kv_heads, max_ctx, units, decode_only, wide, kv16),
         "split_tiles": split_tiles,
         "launch": {"num_stages": 2} if wide and not triton_interpreting() else {},
         # Programs in the order heads, splits, tiles (H200, `gpu_kernels.py attention-order`-style

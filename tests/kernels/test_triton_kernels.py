@@ -6,6 +6,7 @@ Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), on small shape
 
 from __future__ import annotations
 
+import functools
 import random
 
 import numpy as np
@@ -433,6 +434,11 @@ def test_num_splits_for_fills_the_device_within_its_caps(monkeypatch):
     assert f(1, 8, 400, 132, True) == 1  # short contexts are not split
     assert f(64, 8, 8192, 132, True) == 1  # 512 programs: enough already
     assert f(8, 8, 8192, 132, True) == 8  # 64 programs: x8 reaches 2 per unit
+    # decode over a 16-bit cache: ~4 programs per unit, not only powers of two
+    kv16 = functools.partial(f, units=132, decode_only=True, kv16=True)
+    assert [kv16(n, 8, 4096) for n in (1, 4, 8, 16, 24, 32)] == [16, 16, 8, 4, 3, 2]
+    assert kv16(1, 8, 2048) == 8 and kv16(4, 8, 1024) == 4 and kv16(24, 8, 511) == 1
+    assert kv16(33, 8, 2048) == 1 and kv16(33, 8, 2048, wide=True) == 2 and kv16(66, 8, 2048, wide=True) == 1
 
 
 def test_decode_tiles_over_an_8bit_cache_read_as_many_bytes_per_trip(monkeypatch):
@@ -449,7 +455,7 @@ def test_decode_tiles_over_an_8bit_cache_read_as_many_bytes_per_trip(monkeypatch
 
 def test_decode_batches_over_a_16bit_cache_take_wide_two_stage_tiles(monkeypatch):
     """Decode steps with at least 2 programs per compute unit read 128 positions a trip in 2
-    stages over a 16-bit cache with heads up to 128 wide, and below 6 per unit split the KV range
+    stages over a 16-bit cache with heads up to 128 wide, and below 4 per unit split the KV range
     in two (contexts of 512 and more); smaller batches, mixed steps and other caches keep their
     settings. Programs start a tile's heads first, except in decode steps on the narrow tiles."""
     monkeypatch.setattr(triton_attention, "triton_interpreting", lambda: False)
@@ -458,8 +464,8 @@ def test_decode_batches_over_a_16bit_cache_take_wide_two_stage_tiles(monkeypatch
     dev = torch.device("cuda")
     setting = lambda p: (p["block_n"], p["launch"], p["splits"])  # noqa: E731
     assert setting(plan(16, 8, True, 33, 2048, dev)) == (128, {"num_stages": 2}, 2)  # 264 programs = 2 per unit
-    assert setting(plan(16, 8, True, 98, 2048, dev)) == (128, {"num_stages": 2}, 2)  # 784 < 6 per unit
-    assert setting(plan(16, 8, True, 99, 2048, dev)) == (128, {"num_stages": 2}, 1)
+    assert setting(plan(16, 8, True, 65, 2048, dev)) == (128, {"num_stages": 2}, 2)  # 520 < 4 per unit
+    assert setting(plan(16, 8, True, 66, 2048, dev)) == (128, {"num_stages": 2}, 1)
     assert setting(plan(16, 8, True, 64, 511, dev)) == (128, {"num_stages": 2}, 1)  # too short to split
     assert setting(plan(16, 8, True, 32, 2048, dev)) == (64, {}, 2)  # num_splits_for's: 2 reaches 2 per unit
     assert plan(16, 8, True, 256, 2048, dev, kv_itemsize=1)["launch"] == {}
