@@ -218,8 +218,8 @@ def num_splits_for(num_tiles: int, num_kv_heads: int, max_ctx: int, units: int, 
     (tile_plan), from 2 programs per unit up, they split in two below 4 per unit (H200,
     `gpu_kernels.py attention-splits`, 200-2,048-token contexts, us per layer: 24 / 80 / 96
     sequences 44.8 -> 36.3, 96.7 -> 88.4, 120.2 -> 112.9 against the rule before, which split to 2
-    per unit in powers of two, and in two on wide tiles below 6 per unit; 1-16, 32-64 and 128-256
-    sequences as before). Other decode steps keep that rule (8-bit caches: unmeasured)."""
+    per unit in powers of two, and in two on wide tiles below 6 per unit; 4, 8, 16, 32-64 and
+    128-256 sequences as before). Other decode steps keep that rule (8-bit caches: unmeasured)."""
     if triton_interpreting():
         return 1  # programs are costly there; the merge path has its own test
     per_unit, max_splits = (2, 16) if decode_only else (4, 8)
