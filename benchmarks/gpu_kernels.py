@@ -140,6 +140,22 @@ def read_pct(lens: np.ndarray, kvh: int, d: int, us: float, read_rate: float) ->
     return 100 * 4 * int(lens.sum()) * kvh * d / (us * 1e-6) / read_rate
 
 
+def plan_variants(lens: np.ndarray, key: str, values, cache_dtype=BF16) -> list[tuple]:
+    """Decode attention (Qwen3-0.6B heads) over sequences of lens[i] tokens with the tile plan's
+    `key` set to each of `values`, the shipped plan otherwise: [(value, us best of three, shipped?)],
+    each variant's output checked against the shipped plan's."""
+    plan, fn = varied_decode_attention(lens, 16, 8, 128, cache_dtype)
+    shipped = plan[key]
+    ref = fn().float()
+    rows = []
+    for value in values:
+        plan[key] = value
+        assert float((fn().float() - ref).norm() / ref.norm()) < 1e-2, (len(lens), key, value)
+        rows.append((value, min(graph_time([fn]) for _ in range(3)), value == shipped))
+    plan[key] = shipped
+    return rows
+
+
 def decode_attention(batch: int, ctx: int, h: int, kvh: int, d: int, cache_dtype=BF16):
     """varied_decode_attention over `batch` sequences of `ctx` tokens each."""
     return varied_decode_attention(np.full(batch, ctx), h, kvh, d, cache_dtype)
@@ -190,17 +206,13 @@ def attention_varied(cache_dtype=BF16) -> None:
     from gpu_bench import copy_bandwidth
 
     bw = copy_bandwidth()
-    h, kvh, d = 16, 8, 128
     rng = np.random.default_rng(0)
     for batch, lo, hi in ((32, 1000, 2048), (64, 200, 2048), (64, 1000, 2048), (128, 200, 2048),
                           (128, 800, 2048), (192, 200, 1800), (256, 200, 1600)):  # fmt: skip
         lens = rng.integers(lo, hi + 1, batch)
-        plan, fn = varied_decode_attention(lens, h, kvh, d, cache_dtype)
-        floor, chosen = 2 * cache_dtype.itemsize * int(lens.sum()) * kvh * d / bw * 1e6, plan["splits"]
-        for splits in (1, 2, 4, 8):
-            plan["splits"] = splits
-            us = graph_time([fn])
-            mark = "*" if splits == chosen else " "
+        floor = 2 * cache_dtype.itemsize * int(lens.sum()) * 8 * 128 / bw * 1e6
+        for splits, us, chosen in plan_variants(lens, "splits", (1, 2, 4, 8), cache_dtype):
+            mark = "*" if chosen else " "
             print(f"batch {batch:4d} ctx {lo}-{hi} splits {splits}{mark} {us:8.1f} us  floor {floor:7.1f}  {100 * floor / us:5.1f}%")
 
 
@@ -337,18 +349,10 @@ def attention_order() -> None:
     cases = [(1, 2048, 2049), (8, 2048, 2049)] + [(b, 200, 2049) for b in (32, 48, 64, 96, 128, 160, 192, 256)]
     cases += [(256, 100, 1100), (192, 300, 1500), (128, 500, 1800), (64, 900, 2000)]
     for batch, lo, hi in cases:
-        lens = rng.integers(lo, hi, batch)
-        plan, fn = varied_decode_attention(lens, 16, 8, 128)
-        shipped = plan["heads_first"]
-        ref = fn().float()
-        row = []
-        for first in (True, False):
-            plan["heads_first"] = first
-            assert float((fn().float() - ref).norm() / ref.norm()) < 1e-2, (batch, first)
-            row.append(f"{'heads' if first else 'tiles'} first{'*' if first == shipped else ''} "
-                       f"{min(graph_time([fn]) for _ in range(3)):7.1f}")  # fmt: skip
-        plan["heads_first"] = shipped
-        print(f"batch {batch:3d} of {lo}-{hi - 1} tokens: " + ", ".join(row), flush=True)
+        rows = plan_variants(rng.integers(lo, hi, batch), "heads_first", (True, False))
+        print(f"batch {batch:3d} of {lo}-{hi - 1} tokens: "
+              + ", ".join(f"{'heads' if first else 'tiles'} first{'*' if shipped else ''} {us:7.1f}"
+                          for first, us, shipped in rows), flush=True)  # fmt: skip
 
 
 @torch.inference_mode()
@@ -360,17 +364,10 @@ def attention_splits() -> None:
     rng = np.random.default_rng(0)
     for batch in (4, 8, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256):
         lens = rng.integers(200, 2049, batch)
-        plan, fn = varied_decode_attention(lens, 16, 8, 128)
-        shipped = plan["splits"]
-        ref = fn().float()
-        row = []
-        for splits in (1, 2, 3, 4, 6, 8, 12, 16):
-            plan["splits"] = splits
-            assert float((fn().float() - ref).norm() / ref.norm()) < 1e-2, (batch, splits)
-            us = min(graph_time([fn]) for _ in range(3))
-            row.append(f"{splits}{'*' if splits == shipped else ''}: {us:.1f} ({read_pct(lens, 8, 128, us, rd):.0f}%)")
-        plan["splits"] = shipped
-        print(f"batch {batch:3d}: " + ", ".join(row), flush=True)
+        rows = plan_variants(lens, "splits", (1, 2, 3, 4, 6, 8, 12, 16))
+        print(f"batch {batch:3d}: " + ", ".join(f"{splits}{'*' if shipped else ''}: {us:.1f} "
+                                                f"({read_pct(lens, 8, 128, us, rd):.0f}%)"
+                                                for splits, us, shipped in rows), flush=True)  # fmt: skip
 
 
 @triton.jit

@@ -207,15 +207,15 @@ def plan_tiles(qsl: np.ndarray, block_q: int, seq_lens: np.ndarray) -> tuple[np.
 
 
 def num_splits_for(num_tiles: int, num_kv_heads: int, max_ctx: int, units: int, decode_only: bool = True,
-                   wide: bool = False, kv16: bool = False) -> int:  # fmt: skip
+                   kv16: bool = False) -> int:  # fmt: skip
     """Split the KV range when the tiles alone would not fill the device (2 programs per compute
     unit for decode steps; 4 for mixed steps, whose few tiles are typically a short prompt chunk
     over a long cached prefix) and each split still gets enough positions. One program merges a
     tile's splits, reading them one after another: for a mixed tile of 64 rows, 32 splits took ~60
     us per layer on the H100 (16 new tokens over a 4,096-token cached prefix), so mixed steps split
     at most 8 ways; decode steps at most 16. A split gets ~256 positions at least. Decode steps over
-    a 16-bit cache (kv16) split to ~4 programs per unit, not only in powers of two; on wide tiles
-    (tile_plan), from 2 programs per unit up, they split in two below 4 per unit (H200,
+    a 16-bit cache with heads up to 128 wide (kv16) split to ~4 programs per unit, not only in
+    powers of two; from 2 programs per unit up (the wide tiles, tile_plan), in two below 4 (H200,
     `gpu_kernels.py attention-splits`, 200-2,048-token contexts, us per layer: 24 / 80 / 96
     sequences 44.8 -> 36.3, 96.7 -> 88.4, 120.2 -> 112.9 against the rule before, which split to 2
     per unit in powers of two, and in two on wide tiles below 6 per unit; 4, 8, 16, 32-64 and
@@ -227,10 +227,10 @@ def num_splits_for(num_tiles: int, num_kv_heads: int, max_ctx: int, units: int, 
     if max_ctx < 512:
         return 1
     if programs >= per_unit * units:
-        return 2 if wide and programs < 4 * units else 1
+        return 2 if decode_only and kv16 and programs < 4 * units else 1
     cap = min(max_splits, triton.next_power_of_2(max(1, max_ctx // 256)))
-    if decode_only and kv16:
-        return int(max(1, min(round(4 * units / programs), cap)))
+    if decode_only and kv16:  # (programs < 2 per unit here: round() gives 2 or more)
+        return min(round(4 * units / programs), cap)
     return int(min(triton.next_power_of_2(-(-per_unit * units // programs)), cap))
 
 
@@ -256,7 +256,7 @@ def tile_plan(num_heads: int, num_kv_heads: int, decode_only: bool, split_tiles:
         "block_q": block_q,
         "g_pad": g_pad,
         "block_n": block_n,  # (the interpreter: fewer loop trips where each op is costly)
-        "splits": num_splits_for(split_tiles, num_kv_heads, max_ctx, units, decode_only, wide, kv16),
+        "splits": num_splits_for(split_tiles, num_kv_heads, max_ctx, units, decode_only, kv16),
         "split_tiles": split_tiles,
         "launch": {"num_stages": 2} if wide and not triton_interpreting() else {},
         # Programs in the order heads, splits, tiles (H200, `gpu_kernels.py attention-order`-style

@@ -438,7 +438,8 @@ def test_num_splits_for_fills_the_device_within_its_caps(monkeypatch):
     kv16 = functools.partial(f, units=132, decode_only=True, kv16=True)
     assert [kv16(n, 8, 4096) for n in (1, 4, 8, 16, 24, 32)] == [16, 16, 8, 4, 3, 2]
     assert kv16(1, 8, 2048) == 8 and kv16(4, 8, 1024) == 4 and kv16(24, 8, 511) == 1
-    assert kv16(33, 8, 2048) == 1 and kv16(33, 8, 2048, wide=True) == 2 and kv16(66, 8, 2048, wide=True) == 1
+    # from 2 programs per unit up (the wide tiles), in two below 4 per unit; other caches not at all
+    assert kv16(33, 8, 2048) == 2 and kv16(66, 8, 2048) == 1 and f(33, 8, 2048, 132, True) == 1
 
 
 def test_decode_tiles_over_an_8bit_cache_read_as_many_bytes_per_trip(monkeypatch):
