@@ -18,7 +18,8 @@ gaps do not count), over enough copies of its inputs to miss the L2 cache.
     python benchmarks/gpu_kernels.py attention-splits  # decode attention at 4-256 sequences, by KV split
     python benchmarks/gpu_kernels.py attention-dealt   # the same, against items dealt to programs
                                                        # (an experiment, not in arcserve)
-    python benchmarks/gpu_kernels.py prefill-sweep     # mixed steps' prompt-chunk attention tiles
+    python benchmarks/gpu_kernels.py prefill-sweep     # prompt-chunk attention tiles, a mixed step's launches
+    python benchmarks/gpu_kernels.py attention-diag    # decode attention, masks on every trip or the last
     python benchmarks/gpu_kernels.py batch-gemm        # decode-batch products (8-256 rows): cuBLAS against
                                                        # a plain Triton GEMM (an experiment, not in arcserve)
     python benchmarks/gpu_kernels.py batch-gemm-wide   # the same at 64-256 rows with row tiles up to 256
@@ -498,53 +499,94 @@ def attention_dealt() -> None:
 
 
 @torch.inference_mode()
+def prefill_steps(rng) -> dict:
+    """name -> (new tokens, contexts) of the prompt-chunk steps prefill_sweep times."""
+    lens = []
+    while sum(lens) < 8192:
+        lens.append(int(rng.integers(100, 1025)))
+    lens[-1] -= sum(lens) - 8192
+    chunks = np.full(16, 512)
+    return {
+        "fresh prompts of 100-1,024 tokens (8,192)": (np.array(lens), np.array(lens)),
+        "512-token chunks over cached prefixes of 0-3,072 (8,192)": (chunks, chunks + rng.integers(0, 3073, 16)),
+        "one 4,096-token prompt": (np.array([4096]), np.array([4096])),
+    }
+
+
+def attention_step(new: np.ndarray, ctx: np.ndarray, h: int = 16, kvh: int = 8, d: int = 128, bs: int = 16):
+    """(q, k_cache, v_cache, meta, plan) of a step whose sequences bring new[i] tokens over contexts
+    ctx[i] (random bf16 K/V in shuffled blocks); plan: the shipped tile plan, changed in place."""
+    meta, blocks = paged_meta(new, ctx, bs)
+    kc = torch.randn(blocks, bs, kvh, d, device=DEV, dtype=BF16)
+    vc = torch.randn_like(kc)
+    q = torch.randn(int(new.sum()), h, d, device=DEV, dtype=BF16)
+    return q, kc, vc, meta, triton_attention.prepare(meta, h, kvh, DEV)
+
+
+@torch.inference_mode()
 def prefill_sweep() -> None:
-    """The prompt-chunk tiles of a throughput run's mixed step (Qwen3-0.6B heads): 8,192 new tokens
-    as fresh prompts of 100-1,024 tokens, and as 512-token chunks over cached prefixes of 0-3,072
-    tokens; tile rows (tokens x heads), KV block, warps and stages; FLOPs of the causal products
-    over the measured matmul rate as the floor."""
+    """The prompt-chunk tiles of a throughput run's mixed step (Qwen3-0.6B heads) and a long prompt:
+    tile rows (tokens x heads), KV positions a trip, warps, stages, and the causal mask on every trip
+    or only where a trip needs it (diag_only); FLOPs of the causal products over the measured matmul
+    rate as the floor. Then a mixed step (the fresh prompts beside 200 decodes of 200-2,048 tokens) in
+    one launch, as shipped, against its prompt tiles and decodes apart, the decodes on the decode plan."""
     bw, flops = measure_ceilings()
-    h, kvh, d, bs = 16, 8, 128, 16
+    h, d = 16, 128  # Qwen3-0.6B: 16 query heads of 128 over 8 KV heads (attention_step)
     rng = np.random.default_rng(0)
-    for label in ("fresh prompts", "chunks over cached prefixes"):
-        if label == "fresh prompts":
-            lens = []
-            while sum(lens) < 8192:
-                lens.append(int(rng.integers(100, 1025)))
-            lens[-1] -= sum(lens) - 8192
-            new, ctx = np.array(lens), np.array(lens)
-        else:
-            new = np.full(16, 512)
-            ctx = new + rng.integers(0, 3073, 16)
-        meta, blocks = paged_meta(new, ctx, bs)
+    steps = prefill_steps(rng)
+    for label, (new, ctx) in steps.items():
+        q, kc, vc, meta, plan = attention_step(new, ctx)
         qsl = meta.host["query_start_loc"]
-        kc = torch.randn(blocks, bs, kvh, d, device=DEV, dtype=BF16)
-        vc = torch.randn_like(kc)
-        q = torch.randn(int(qsl[-1]), h, d, device=DEV, dtype=BF16)
         causal = sum(int(n) * (int(c) - int(n)) + int(n) * (int(n) + 1) / 2 for n, c in zip(new, ctx))
         floor = 2 * 2 * causal * h * d / flops * 1e6
-        plan = triton_attention.prepare(meta, h, kvh, DEV)
-        fn = lambda: triton_attention.paged_attention(q, None, None, kc, vc, meta, d**-0.5, None, 0)  # noqa: E731
+        fn = functools.partial(triton_attention.paged_attention, q, None, None, kc, vc, meta, d**-0.5, None, 0)
         ref = fn().float()
-        shipped = (plan["block_q"], plan["block_n"])
-        print(f"{label}: {len(new)} sequences, floor {floor:.1f} us, shipped BLOCK_Q {shipped[0]} BLOCK_N {shipped[1]}")
+        shipped = dict(plan)
+        print(f"{label}: {len(new)} sequences, floor {floor:.1f} us, shipped BLOCK_Q {plan['block_q']} "
+              f"BLOCK_N {plan['block_n']} splits {plan['splits']}", flush=True)  # fmt: skip
         results = []
-        for rows, block_n, warps, stages in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3)):
+        for rows, block_n, warps, stages, diag in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3),
+                                                                   (True, False)):  # fmt: skip
             block_q = rows // plan["g_pad"]
             seq, q0 = triton_attention.plan_tiles(qsl, block_q, ctx)
             tiles = torch.from_numpy(np.stack([seq, q0])).to(DEV)
             plan.update(block_q=block_q, block_n=block_n, tile_seq=tiles[0], tile_q=tiles[1], num_tiles=len(seq),
-                        launch={"num_warps": warps, "num_stages": stages})  # fmt: skip
+                        launch={"num_warps": warps, "num_stages": stages}, diag_only=diag)  # fmt: skip
             try:
                 err = ((fn().float() - ref).norm() / ref.norm()).item()
                 us = graph_time([fn])
             except triton.runtime.errors.OutOfResources:
                 continue
-            assert err < 1e-2, (rows, block_n, warps, stages, err)
-            results.append((us, rows, block_n, warps, stages))
-        as_shipped = [r for r in results if (r[1] // plan["g_pad"], r[2]) == shipped and r[3:] == (4, 3)]
-        for us, rows, block_n, warps, stages in sorted(results)[:6] + as_shipped:
-            print(f"  rows {rows:4d} BLOCK_N {block_n:4d} warps {warps} stages {stages}: {us:8.1f} us  {100 * floor / us:5.1f}% of floor")
+            assert err < 1e-2, (rows, block_n, warps, stages, diag, err)
+            results.append((us, rows, block_n, warps, stages, diag))
+        as_shipped = [r for r in results if (r[1] // plan["g_pad"], r[2]) == (shipped["block_q"], shipped["block_n"])
+                      and r[3:5] == (4, 3)]  # fmt: skip
+        for us, rows, block_n, warps, stages, diag in sorted(results)[:8] + as_shipped:
+            print(f"  rows {rows:4d} BLOCK_N {block_n:4d} warps {warps} stages {stages} diag_only {diag!s:5}: "
+                  f"{us:8.1f} us  {100 * floor / us:5.1f}% of floor", flush=True)  # fmt: skip
+        plan.clear()
+        plan.update(shipped)
+
+    new, ctx = next(iter(steps.values()))  # the fresh prompts
+    dec = rng.integers(200, 2049, 200)
+    parts = {"one launch (shipped)": (np.concatenate([new, np.ones(200, np.int64)]), np.concatenate([ctx, dec])),
+             "prompt tiles alone": (new, ctx), "decodes alone (decode plan)": (np.ones(200, np.int64), dec)}
+    for label, (n, c) in parts.items():
+        q, kc, vc, meta, plan = attention_step(n, c)
+        fn = functools.partial(triton_attention.paged_attention, q, None, None, kc, vc, meta, d**-0.5, None, 0)
+        print(f"mixed step, {label}: {min(graph_time([fn]) for _ in range(3)):.1f} us "
+              f"(BLOCK_Q {plan['block_q']} BLOCK_N {plan['block_n']})", flush=True)  # fmt: skip
+
+
+@torch.inference_mode()
+def attention_diag() -> None:
+    """Decode attention (Qwen3-0.6B heads, 200-2,048 tokens) with the causal and range masks on every
+    loop trip or only on the last (tile_plan's diag_only): us per layer, best of three."""
+    rng = np.random.default_rng(0)
+    for batch in (1, 8, 32, 64, 96, 128, 192, 256):
+        rows = plan_variants(rng.integers(200, 2049, batch), "diag_only", (True, False))
+        print(f"batch {batch:3d}: " + ", ".join(f"diag_only {v}{'*' if shipped else ''} {us:7.1f}"
+                                                for v, us, shipped in rows), flush=True)  # fmt: skip
 
 
 # Qwen3-0.6B's decoder matrices: (outputs, inputs)
@@ -824,6 +866,8 @@ def main() -> None:
         return batch_gemm(wide=sys.argv[1] == "batch-gemm-wide")
     if sys.argv[1:] == ["prefill-sweep"]:
         return prefill_sweep()
+    if sys.argv[1:] == ["attention-diag"]:
+        return attention_diag()
     if sys.argv[1:] == ["linear-sweep"]:
         return linear_sweep()
     bw, flops = measure_ceilings()

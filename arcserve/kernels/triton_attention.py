@@ -36,6 +36,70 @@ from arcserve.platform import (
 
 
 @triton.jit
+def _attn_trips(
+    acc, m_i, l_i, q, lo, hi,
+    k_cache_ptr, v_cache_ptr, table_ptr, kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    d, d_ok, qk_scale, qpos, window,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over KV positions [lo, hi) in trips of BLOCK_N (lo on a trip boundary).
+    MASKED=False: the caller guarantees every row sees every position of every trip, so neither the
+    range, the causal order nor a row with nothing visible yet needs a test."""
+    n_off = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        kpos = start + n_off
+        if MASKED:
+            k_ok = kpos < hi
+            blk = tl.load(table_ptr + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        else:
+            blk = tl.load(table_ptr + kpos // BLOCK_SIZE).to(tl.int64)
+        slot = kpos % BLOCK_SIZE
+        k_ptrs = k_cache_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :]
+        v_ptrs = v_cache_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        elif HEAD_PAD != HEAD_DIM:
+            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        elif k_cache_ptr.dtype.element_ty != q.dtype:  # an 8-bit cache: to float16
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
+        if DOT_F32:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASKED:
+            ok = k_ok[None, :] & (kpos[None, :] <= qpos[:, None])
+            if USE_WINDOW:
+                ok = ok & (kpos[None, :] > qpos[:, None] - window)
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # Rows with nothing visible yet keep m = -inf: shift by 0 there so exp2() gives 0, not NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = m_new
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if DOT_F32:
+            acc += tl.dot(p, v, input_precision="ieee")
+        else:
+            acc += tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, lse_ptr, count_ptr,
     block_tables_ptr, seq_lens_ptr, qsl_ptr, tile_seq_ptr, tile_q_ptr,
@@ -49,7 +113,7 @@ def _attn_kernel(
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_F32: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    PDL: tl.constexpr = False,
+    DIAG_ONLY: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_prior_kernel(PDL)  # before anything, the padding tiles' return included (see triton_ops)
     # The device starts programs in the order of their one index. HEADS_FIRST: a tile's KV heads
@@ -106,47 +170,25 @@ def _attn_kernel(
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, HEAD_PAD], tl.float32)
-    n_off = tl.arange(0, BLOCK_N)
-    for start in range(lo, hi, BLOCK_N):
-        kpos = start + n_off
-        k_ok = kpos < hi
-        blk = tl.load(block_tables_ptr + b * stride_bt + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        slot = kpos % BLOCK_SIZE
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(
-            k_cache_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-            mask=kv_mask, other=0.0,
-        )  # fmt: skip
-        v = tl.load(
-            v_cache_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-            mask=kv_mask, other=0.0,
-        )  # fmt: skip
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        elif k_cache_ptr.dtype.element_ty != q_ptr.dtype.element_ty:  # an 8-bit cache: to float16
-            k = k.to(tl.float16)
-            v = v.to(tl.float16)
-        if DOT_F32:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        ok = k_ok[None, :] & (kpos[None, :] <= qpos[:, None])
-        if USE_WINDOW:
-            ok = ok & (kpos[None, :] > qpos[:, None] - window)
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Rows with nothing visible yet keep m = -inf: shift by 0 there so exp() gives 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if DOT_F32:
-            acc += tl.dot(p, v, input_precision="ieee")
-        else:
-            acc += tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    qk_scale = scale * 1.4426950408889634  # scores in log2 units: exp2 in the loop, one multiply
+    table_ptr = block_tables_ptr + b * stride_bt
+    # Trips every row of the tile sees whole (at or before its first token's position, before hi)
+    # skip the causal and range masks; the rest (the diagonal, the range's end, a window) take them.
+    mid = lo
+    if DIAG_ONLY and not USE_WINDOW:
+        mid = lo + tl.maximum(tl.minimum(hi, prefix + q0 + 1) - lo, 0) // BLOCK_N * BLOCK_N
+    acc, m_i, l_i = _attn_trips(
+        acc, m_i, l_i, q, lo, mid, k_cache_ptr, v_cache_ptr, table_ptr, kvh, stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh, d, d_ok, qk_scale, qpos, window,
+        BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, HEAD_PAD=HEAD_PAD, HEAD_DIM=HEAD_DIM, MASKED=False,
+        USE_WINDOW=USE_WINDOW, DOT_F32=DOT_F32,
+    )  # fmt: skip
+    acc, m_i, l_i = _attn_trips(
+        acc, m_i, l_i, q, mid, hi, k_cache_ptr, v_cache_ptr, table_ptr, kvh, stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh, d, d_ok, qk_scale, qpos, window,
+        BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, HEAD_PAD=HEAD_PAD, HEAD_DIM=HEAD_DIM, MASKED=True,
+        USE_WINDOW=USE_WINDOW, DOT_F32=DOT_F32,
+    )  # fmt: skip
 
     out_rows = q_start + tok
     o_mask = row_ok[:, None] & d_ok[None, :]
@@ -159,7 +201,7 @@ def _attn_kernel(
         first_slot = (out_rows * H + head) * NUM_SPLITS
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(part_ptr + (first_slot + split)[:, None] * HEAD_PAD + d[None, :], o, mask=o_mask)
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))  # log2 units
         tl.store(lse_ptr + first_slot + split, lse, mask=row_ok)
         # Every thread's stores are issued before the counter's release; the last split to arrive
         # (its acquire sees all others' partials) merges, and leaves the counter at 0 for the next launch.
@@ -173,7 +215,7 @@ def _attn_kernel(
             den = tl.zeros([M], tl.float32)
             o = tl.zeros([M, HEAD_PAD], tl.float32)
             for j in tl.static_range(NUM_SPLITS):
-                wgt = tl.exp(tl.load(lse_ptr + first_slot + j, mask=row_ok, other=float("-inf")) - m_all)
+                wgt = tl.exp2(tl.load(lse_ptr + first_slot + j, mask=row_ok, other=float("-inf")) - m_all)
                 den += wgt
                 o += wgt[:, None] * tl.load(part_ptr + (first_slot + j)[:, None] * HEAD_PAD + d[None, :], mask=o_mask, other=0.0)
             o = o / tl.maximum(den, 1e-30)[:, None]
@@ -252,11 +294,12 @@ def tile_plan(num_heads: int, num_kv_heads: int, decode_only: bool, split_tiles:
     kv16 = kv_itemsize == 2 and head_dim <= 128
     wide = decode_only and kv16 and split_tiles * num_kv_heads >= 2 * units
     block_n = 128 if triton_interpreting() or (decode_only and (kv_itemsize == 1 or wide)) else 64
+    splits = num_splits_for(split_tiles, num_kv_heads, max_ctx, units, decode_only, kv16)
     return {
         "block_q": block_q,
         "g_pad": g_pad,
         "block_n": block_n,  # (the interpreter: fewer loop trips where each op is costly)
-        "splits": num_splits_for(split_tiles, num_kv_heads, max_ctx, units, decode_only, kv16),
+        "splits": splits,
         "split_tiles": split_tiles,
         "launch": {"num_stages": 2} if wide and not triton_interpreting() else {},
         # Programs in the order heads, splits, tiles (H200, `gpu_kernels.py attention-order`-style
@@ -265,6 +308,13 @@ def tile_plan(num_heads: int, num_kv_heads: int, decode_only: bool, split_tiles:
         # +2.4%), but for decode steps off the wide tiles (under 2 programs per unit: 32 sequences
         # 51.3 against 55.2 in that order; 8-bit caches, float32 ones, heads over 128: unmeasured).
         "heads_first": wide or not decode_only,
+        # Masks only on the loop trips that need them (_attn_trips), for unsplit prompt chunks (H200,
+        # `gpu_kernels.py prefill-sweep`, us per layer: one 4,096-token prompt 265.1 -> 241.7, 512-token
+        # chunks over 0-3,072 cached 479.6 -> 456.3). Not for decodes (`attention-diag`: a second
+        # loop costs split programs of a few trips more than the masks save, batch 1 / 8 9.9 -> 10.2,
+        # 13.1 -> 13.9) nor split chunks (`gpu_bench.py prefix`, 32 tokens over a cached 4,096, 8
+        # splits: TTFT 3.48 -> 3.81 ms).
+        "diag_only": not decode_only and splits == 1,
     }
 
 
@@ -307,7 +357,7 @@ def paged_attention(
             KVH=kvh, G=H // kvh, G_PAD=plan["g_pad"], BLOCK_Q=plan["block_q"], HEAD_DIM=D, HEAD_PAD=head_pad,
             BLOCK_N=plan["block_n"], BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=n_split,
             USE_WINDOW=sliding_window is not None, DOT_F32=q.dtype == torch.float32 or triton_interpreting(),
-            HEADS_FIRST=plan["heads_first"],
+            HEADS_FIRST=plan["heads_first"], DIAG_ONLY=plan["diag_only"],
             **plan.get("launch", {}), **triton_launch_options(q.device),
         )  # fmt: skip
     return out

@@ -424,6 +424,28 @@ def test_split_kv_merge_equals_one_pass(splits, split_tiles, heads_first):
         assert int(triton_ops.zeroed_counters(1, DEVICE).abs().sum()) == 0
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_trips_without_masks_give_what_masked_trips_give(splits, dtype):
+    """Loop trips that every row of a tile sees whole run without the causal and range masks
+    (diag_only); the rest keep them. Prompt chunks over long cached prefixes, a long fresh prompt, a
+    chunk whose tile starts mid-trip, decodes ending on and past a trip: the same output with the
+    masks on every trip, and the twin's, whole and with the KV range split."""
+    rng = random.Random(str((splits, str(dtype))))
+    seqs = [(300, 20), (260, 1), (0, 300), (129, 7), (255, 1), (256, 1), (31, 1)]
+    q, k, v, kc, vc, meta = make_step(rng, seqs, 4, 2, 64, 16, dtype)
+    want = reference.paged_attention(q.float(), k.float(), v.float(), kc.float(), vc.float(), fresh(meta), 0.125)
+    outs = []
+    for diag_only in (True, False):
+        m = fresh(meta)
+        plan = triton_attention.prepare(m, 4, 2, DEVICE)
+        plan.update(diag_only=diag_only, splits=splits)
+        outs.append(triton_attention.paged_attention(q, k, v, kc, vc, m, 0.125).float())
+    tol = 1e-4 if dtype == torch.float32 else TOL[dtype]
+    assert rel_err(outs[0], want) < tol and rel_err(outs[1], want) < tol
+    assert rel_err(outs[0], outs[1]) < (1e-5 if dtype == torch.float32 else TOL[dtype])
+
+
 def test_num_splits_for_fills_the_device_within_its_caps(monkeypatch):
     """Splits only where the tiles alone would leave compute units idle; at most 16 (decode) or 8
     (mixed: one program merges a tile's splits in turn) and never under 256 positions per split."""
@@ -481,11 +503,11 @@ def test_decode_batches_over_a_16bit_cache_take_wide_two_stage_tiles(monkeypatch
 
 
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
-@pytest.mark.parametrize("units", [2, 3])
+@pytest.mark.parametrize("units", [2, 4])
 def test_paged_attention_wide_decode_tiles_match_twin(dtype, units, monkeypatch):
     """A decode batch that takes the wide tiles (6 sequences x 2 KV heads on a device of 2 compute
-    units; of 3, where a GPU also splits the KV range in two), contexts ending on, before and past
-    128-position trips."""
+    units; of 4, where a GPU also splits the KV range in two: 3 programs per unit), contexts ending
+    on, before and past 128-position trips."""
     monkeypatch.setattr(triton_attention, "compute_units", lambda device: units)
     seqs = [(127, 1), (128, 1), (300, 1), (5, 1), (255, 1), (1000, 1)]
     q, k, v, kc, vc, meta = make_step(random.Random(7), seqs, 6, 2, 128, 16, dtype)
