@@ -428,11 +428,12 @@ def test_split_kv_merge_equals_one_pass(splits, split_tiles, heads_first):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_trips_without_masks_give_what_masked_trips_give(splits, dtype):
     """Loop trips that every row of a tile sees whole run without the causal and range masks
-    (diag_only); the rest keep them. Prompt chunks over long cached prefixes, a long fresh prompt, a
-    chunk whose tile starts mid-trip, decodes ending on and past a trip: the same output with the
-    masks on every trip, and the twin's, whole and with the KV range split."""
+    (diag_only); the rest keep them. Prompt chunks over long cached prefixes, a long fresh prompt,
+    chunks whose first token is the last position of a trip or the one before it, decodes ending on
+    and past a trip: the same output with the masks on every trip, and the twin's, whole and with
+    the KV range split."""
     rng = random.Random(str((splits, str(dtype))))
-    seqs = [(300, 20), (260, 1), (0, 300), (129, 7), (255, 1), (256, 1), (31, 1)]
+    seqs = [(300, 20), (260, 1), (0, 140), (126, 5), (127, 5), (255, 1), (256, 1)]
     q, k, v, kc, vc, meta = make_step(rng, seqs, 4, 2, 64, 16, dtype)
     want = reference.paged_attention(q.float(), k.float(), v.float(), kc.float(), vc.float(), fresh(meta), 0.125)
     outs = []
