@@ -447,6 +447,19 @@ def test_trips_without_masks_give_what_masked_trips_give(splits, dtype):
     assert rel_err(outs[0], outs[1]) < (1e-5 if dtype == torch.float32 else TOL[dtype])
 
 
+def test_only_unsplit_prompt_chunks_skip_the_masks(monkeypatch):
+    """tile_plan's diag_only: a mixed step whose tiles fill the device unsplit walks its whole trips
+    without masks; decode steps and split ranges (their programs run a few trips) keep one loop."""
+    monkeypatch.setattr(triton_attention, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(triton_attention, "compute_units", lambda device: 132)
+    plan = functools.partial(triton_attention.tile_plan, 16, 8)
+    dev = torch.device("cuda")
+    assert plan(False, 256, 2048, dev)["splits"] == 1 and plan(False, 256, 2048, dev)["diag_only"]
+    assert plan(False, 2, 4096, dev)["splits"] > 1 and not plan(False, 2, 4096, dev)["diag_only"]
+    for tiles, ctx in ((1, 2048), (64, 2048), (256, 2048), (256, 300)):
+        assert not plan(True, tiles, ctx, dev)["diag_only"]
+
+
 def test_num_splits_for_fills_the_device_within_its_caps(monkeypatch):
     """Splits only where the tiles alone would leave compute units idle; at most 16 (decode) or 8
     (mixed: one program merges a tile's splits in turn) and never under 256 positions per split."""
