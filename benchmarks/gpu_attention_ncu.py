@@ -34,7 +34,7 @@ def main() -> None:
     with torch.inference_mode():
         for _ in range(3):
             fn()
-        torch.cuda.synchronize()
+        gpu_kernels.synchronize(gpu_kernels.DEV)
         print(f"{gpu_kernels.graph_time([fn]):.1f} us a launch (graph replays)", flush=True)
 
 

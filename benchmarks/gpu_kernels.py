@@ -113,15 +113,21 @@ def paged_meta(new: np.ndarray, ctx: np.ndarray, bs: int = 16, shuffled: bool = 
     return meta, int(nb.sum())
 
 
-def decode_inputs(lens: np.ndarray, h: int, kvh: int, d: int, cache_dtype=BF16):
-    """(q, k_cache, v_cache, meta) of a decode step over sequences of lens[i] tokens: random K/V
-    (bf16, or an 8-bit cache) in 16-position blocks; meta holds the step's tile plan."""
-    meta, blocks = paged_meta(np.ones(len(lens), dtype=np.int64), lens, 16)
+def attention_step(new: np.ndarray, ctx: np.ndarray, h: int = 16, kvh: int = 8, d: int = 128, cache_dtype=BF16):
+    """(q, k_cache, v_cache, meta) of a step whose sequences bring new[i] tokens over contexts ctx[i]:
+    random K/V (bf16, or an 8-bit cache) in shuffled 16-position blocks; meta holds the step's tile
+    plan (meta.cache["triton"], changed in place to try others)."""
+    meta, blocks = paged_meta(np.asarray(new, dtype=np.int64), ctx, 16)
     kc = torch.randn(blocks, 16, kvh, d, device=DEV, dtype=BF16).to(cache_dtype)
     vc = torch.randn(blocks, 16, kvh, d, device=DEV, dtype=BF16).to(cache_dtype)
-    q = torch.randn(len(lens), h, d, device=DEV, dtype=BF16)
+    q = torch.randn(int(np.sum(new)), h, d, device=DEV, dtype=BF16)
     triton_attention.prepare(meta, h, kvh, DEV, kc.element_size())
     return q, kc, vc, meta
+
+
+def decode_inputs(lens: np.ndarray, h: int, kvh: int, d: int, cache_dtype=BF16):
+    """attention_step of a decode step over sequences of lens[i] tokens."""
+    return attention_step(np.ones(len(lens), dtype=np.int64), lens, h, kvh, d, cache_dtype)
 
 
 def varied_decode_attention(lens: np.ndarray, h: int, kvh: int, d: int, cache_dtype=BF16):
@@ -132,7 +138,7 @@ def varied_decode_attention(lens: np.ndarray, h: int, kvh: int, d: int, cache_dt
 
 
 def shipped_attention(q, kc, vc, meta):
-    """fn: the step of decode_inputs through arcserve's paged attention (its plan in meta)."""
+    """fn: the step of attention_step through arcserve's paged attention (its plan in meta)."""
     return functools.partial(triton_attention.paged_attention, q, None, None, kc, vc, meta, q.shape[-1] ** -0.5, None, 0)
 
 
@@ -498,7 +504,6 @@ def attention_dealt() -> None:
     print("\n".join(lines))
 
 
-@torch.inference_mode()
 def prefill_steps(rng) -> dict:
     """name -> (new tokens, contexts) of the prompt-chunk steps prefill_sweep times."""
     lens = []
@@ -513,16 +518,6 @@ def prefill_steps(rng) -> dict:
     }
 
 
-def attention_step(new: np.ndarray, ctx: np.ndarray, h: int = 16, kvh: int = 8, d: int = 128, bs: int = 16):
-    """(q, k_cache, v_cache, meta, plan) of a step whose sequences bring new[i] tokens over contexts
-    ctx[i] (random bf16 K/V in shuffled blocks); plan: the shipped tile plan, changed in place."""
-    meta, blocks = paged_meta(new, ctx, bs)
-    kc = torch.randn(blocks, bs, kvh, d, device=DEV, dtype=BF16)
-    vc = torch.randn_like(kc)
-    q = torch.randn(int(new.sum()), h, d, device=DEV, dtype=BF16)
-    return q, kc, vc, meta, triton_attention.prepare(meta, h, kvh, DEV)
-
-
 @torch.inference_mode()
 def prefill_sweep() -> None:
     """The prompt-chunk tiles of a throughput run's mixed step (Qwen3-0.6B heads) and a long prompt:
@@ -531,19 +526,19 @@ def prefill_sweep() -> None:
     rate as the floor. Then a mixed step (the fresh prompts beside 200 decodes of 200-2,048 tokens) in
     one launch, as shipped, against its prompt tiles and decodes apart, the decodes on the decode plan."""
     bw, flops = measure_ceilings()
-    h, d = 16, 128  # Qwen3-0.6B: 16 query heads of 128 over 8 KV heads (attention_step)
+    h, d = 16, 128  # Qwen3-0.6B: 16 query heads of 128 over 8 KV heads (attention_step's defaults)
     rng = np.random.default_rng(0)
     steps = prefill_steps(rng)
     for label, (new, ctx) in steps.items():
-        q, kc, vc, meta, plan = attention_step(new, ctx)
-        qsl = meta.host["query_start_loc"]
+        q, kc, vc, meta = attention_step(new, ctx)
+        plan, qsl = meta.cache["triton"], meta.host["query_start_loc"]
         causal = sum(int(n) * (int(c) - int(n)) + int(n) * (int(n) + 1) / 2 for n, c in zip(new, ctx))
         floor = 2 * 2 * causal * h * d / flops * 1e6
-        fn = functools.partial(triton_attention.paged_attention, q, None, None, kc, vc, meta, d**-0.5, None, 0)
+        fn = shipped_attention(q, kc, vc, meta)
         ref = fn().float()
-        shipped = dict(plan)
-        print(f"{label}: {len(new)} sequences, floor {floor:.1f} us, shipped BLOCK_Q {plan['block_q']} "
-              f"BLOCK_N {plan['block_n']} splits {plan['splits']}", flush=True)  # fmt: skip
+        shipped = (plan["block_q"], plan["block_n"])
+        print(f"{label}: {len(new)} sequences, floor {floor:.1f} us, shipped BLOCK_Q {shipped[0]} "
+              f"BLOCK_N {shipped[1]} splits {plan['splits']}", flush=True)  # fmt: skip
         results = []
         for rows, block_n, warps, stages, diag in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3),
                                                                    (True, False)):  # fmt: skip
@@ -559,21 +554,18 @@ def prefill_sweep() -> None:
                 continue
             assert err < 1e-2, (rows, block_n, warps, stages, diag, err)
             results.append((us, rows, block_n, warps, stages, diag))
-        as_shipped = [r for r in results if (r[1] // plan["g_pad"], r[2]) == (shipped["block_q"], shipped["block_n"])
-                      and r[3:5] == (4, 3)]  # fmt: skip
+        as_shipped = [r for r in results if (r[1] // plan["g_pad"], r[2]) == shipped and r[3:5] == (4, 3)]
         for us, rows, block_n, warps, stages, diag in sorted(results)[:8] + as_shipped:
             print(f"  rows {rows:4d} BLOCK_N {block_n:4d} warps {warps} stages {stages} diag_only {diag!s:5}: "
                   f"{us:8.1f} us  {100 * floor / us:5.1f}% of floor", flush=True)  # fmt: skip
-        plan.clear()
-        plan.update(shipped)
 
     new, ctx = next(iter(steps.values()))  # the fresh prompts
     dec = rng.integers(200, 2049, 200)
     parts = {"one launch (shipped)": (np.concatenate([new, np.ones(200, np.int64)]), np.concatenate([ctx, dec])),
              "prompt tiles alone": (new, ctx), "decodes alone (decode plan)": (np.ones(200, np.int64), dec)}
     for label, (n, c) in parts.items():
-        q, kc, vc, meta, plan = attention_step(n, c)
-        fn = functools.partial(triton_attention.paged_attention, q, None, None, kc, vc, meta, d**-0.5, None, 0)
+        q, kc, vc, meta = attention_step(n, c)
+        fn, plan = shipped_attention(q, kc, vc, meta), meta.cache["triton"]
         print(f"mixed step, {label}: {min(graph_time([fn]) for _ in range(3)):.1f} us "
               f"(BLOCK_Q {plan['block_q']} BLOCK_N {plan['block_n']})", flush=True)  # fmt: skip
 

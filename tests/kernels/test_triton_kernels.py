@@ -454,8 +454,9 @@ def test_only_unsplit_prompt_chunks_skip_the_masks(monkeypatch):
     monkeypatch.setattr(triton_attention, "compute_units", lambda device: 132)
     plan = functools.partial(triton_attention.tile_plan, 16, 8)
     dev = torch.device("cuda")
-    assert plan(False, 256, 2048, dev)["splits"] == 1 and plan(False, 256, 2048, dev)["diag_only"]
-    assert plan(False, 2, 4096, dev)["splits"] > 1 and not plan(False, 2, 4096, dev)["diag_only"]
+    unsplit, split = plan(False, 256, 2048, dev), plan(False, 2, 4096, dev)
+    assert unsplit["splits"] == 1 and unsplit["diag_only"]
+    assert split["splits"] > 1 and not split["diag_only"]
     for tiles, ctx in ((1, 2048), (64, 2048), (256, 2048), (256, 300)):
         assert not plan(True, tiles, ctx, dev)["diag_only"]
 
