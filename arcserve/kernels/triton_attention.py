@@ -310,10 +310,11 @@ def tile_plan(num_heads: int, num_kv_heads: int, decode_only: bool, split_tiles:
         "heads_first": wide or not decode_only,
         # Masks only on the loop trips that need them (_attn_trips), for unsplit prompt chunks (H200,
         # `gpu_kernels.py prefill-sweep`, us per layer: one 4,096-token prompt 265.1 -> 241.7, 512-token
-        # chunks over 0-3,072 cached 479.6 -> 456.3). Not for decodes (`attention-diag`: a second
-        # loop costs split programs of a few trips more than the masks save, batch 1 / 8 9.9 -> 10.2,
-        # 13.1 -> 13.9) nor split chunks, whose programs are as short (the cached-prefix TTFT of
-        # `gpu_bench.py prefix`, 8 splits, did not move beyond its spread either way).
+        # chunks over 0-3,072 cached 479.6 -> 456.3; a mixed step's decodes share the launch). Not
+        # for decode steps (`attention-diag`: a second loop costs split programs of a few trips more
+        # than the masks save, batch 1 / 8 9.9 -> 10.2, 13.1 -> 13.9) nor split chunks, whose programs
+        # are as short (the cached-prefix TTFT of `gpu_bench.py prefix`, 8 splits, did not move
+        # beyond its spread either way).
         "diag_only": not decode_only and splits == 1,
     }
 
