@@ -277,6 +277,32 @@ def to_host_async(t: torch.Tensor) -> torch.Tensor:
     return t if t.device.type == "cpu" else t.to("cpu", non_blocking=True)
 
 
+def new_stream(device: torch.device):
+    """A side stream on a GPU device (benchmarks that run work side by side)."""
+    return _backend(device).Stream(device)
+
+
+def current_stream(device: torch.device):
+    return _backend(device).current_stream(device)
+
+
+def on_stream(stream):
+    """Context manager: the work issued inside it goes to `stream`."""
+    return _backend(stream.device).stream(stream)
+
+
+def timing_event(device: torch.device):
+    """An unrecorded event that can time device work (`a.record()`, ..., `a.elapsed_time(b)` in ms)."""
+    return _backend(device).Event(enable_timing=True)
+
+
+def profiler_activity(device: torch.device):
+    """torch.profiler's activity that records `device`'s kernels."""
+    from torch.profiler import ProfilerActivity
+
+    return {"cuda": ProfilerActivity.CUDA, "xpu": getattr(ProfilerActivity, "XPU", None)}.get(device.type)
+
+
 def new_event(device: torch.device):
     """An event recorded on the device's current stream now (None on the CPU, where work is done when
     issued). wait_event(event) blocks the host until the device has passed it."""

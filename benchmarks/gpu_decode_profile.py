@@ -15,13 +15,14 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import profile
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_bench import copy_bandwidth, weight_bytes  # noqa: E402
 from model_shapes import make_shape_dirs  # noqa: E402
 
 from arcserve import LLM, SamplingParams  # noqa: E402
+from arcserve.platform import profiler_activity  # noqa: E402
 
 
 def main() -> None:
@@ -38,10 +39,10 @@ def main() -> None:
     t = time.perf_counter()
     llm.generate(prompt, sp, use_tqdm=False)
     wall = (time.perf_counter() - t) / a.tokens * 1e3
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[profiler_activity(llm.llm_engine.device)]) as prof:
         llm.generate(prompt, sp, use_tqdm=False)
     # the profiler's per-name sums, kernels only (host ops carry their kernels' time too)
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in prof.key_averages() if e.device_type != torch.autograd.DeviceType.CPU]
     per = {e.key: (e.device_time_total, e.count) for e in kernels}
     total = sum(us for us, _ in per.values()) / a.tokens / 1e3
     floor = weight_bytes(cfg) / copy_bandwidth() * 1e3

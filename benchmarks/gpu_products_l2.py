@@ -24,6 +24,8 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_kernels import BF16, DEV, QWEN3_06B_MATRICES, graph_time, varied_decode_attention  # noqa: E402
 
+from arcserve.platform import current_stream, new_stream, on_stream  # noqa: E402
+
 
 @triton.jit
 def _prefetch_load(w_ptr, n, out_ptr, BLOCK: tl.constexpr):
@@ -64,7 +66,7 @@ def main() -> None:
             off += n * k
         weights.append(w)
     sink = torch.zeros(4096, device=DEV)
-    side = torch.cuda.Stream(DEV)
+    side = new_stream(DEV)
     rng = np.random.default_rng(0)
     for rows in (64, 128, 192, 256):
         x = {k: torch.randn(rows, k, device=DEV, dtype=BF16) for k in (1024, 2048, 3072)}
@@ -84,10 +86,10 @@ def main() -> None:
                                       ("PTX x132", "ptx", 132), ("PTX x528", "ptx", 528)):  # fmt: skip
 
             def fwd(kind=kind, programs=programs):
-                main_s = torch.cuda.current_stream(DEV)
+                main_s = current_stream(DEV)
                 for i in range(LAYERS):
                     side.wait_stream(main_s)
-                    with torch.cuda.stream(side):  # this layer's products' weights, while attention runs
+                    with on_stream(side):  # this layer's products' weights, while attention runs
                         if kind == "load":
                             _prefetch_load[(programs,)](bufs[i], per_layer, sink, BLOCK=2048, num_warps=4)
                         else:

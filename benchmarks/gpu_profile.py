@@ -20,7 +20,7 @@ from model_shapes import make_shape_dirs  # noqa: E402
 from arcserve import LLM, SamplingParams  # noqa: E402
 from arcserve.engine.request import Request  # noqa: E402
 from arcserve.engine.runner import scratch_meta  # noqa: E402
-from arcserve.platform import synchronize  # noqa: E402
+from arcserve.platform import profiler_activity, synchronize  # noqa: E402
 
 
 def timed(fn, n: int = 20, dev=None) -> tuple[float, float]:
@@ -112,7 +112,7 @@ def main() -> None:
         cached_call()
         h, t = timed(r.graphs.graphs[key][0].replay, 20, dev)
         rows.append((f"  its mixed graph replay ({key[1]}-token bucket)", h, t))
-        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        acts = [torch.profiler.ProfilerActivity.CPU, profiler_activity(dev)]
         with torch.profiler.profile(activities=acts) as prof:
             cached_call()
             synchronize(dev)
@@ -136,7 +136,7 @@ def main() -> None:
     meta.slot_mapping = meta.slot_mapping[-1:]
     m.forward(ids, pos, meta, r.kv_caches)
     synchronize(dev)
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    acts = [torch.profiler.ProfilerActivity.CPU, profiler_activity(dev)]
     with torch.profiler.profile(activities=acts) as prof:
         m.forward(ids, pos, meta, r.kv_caches)
         m.logits(torch.randn(1, 1024, device=dev, dtype=torch.bfloat16))

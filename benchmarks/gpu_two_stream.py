@@ -27,7 +27,16 @@ from model_shapes import make_shape_dirs  # noqa: E402
 
 from arcserve import LLM  # noqa: E402
 from arcserve.engine.step_graphs import StepGraphs  # noqa: E402
-from arcserve.platform import capture, graph_pool, new_graph, synchronize  # noqa: E402
+from arcserve.platform import (  # noqa: E402
+    capture,
+    current_stream,
+    graph_pool,
+    new_graph,
+    new_stream,
+    on_stream,
+    profiler_activity,
+    synchronize,
+)
 
 
 def per_stream_counters() -> None:
@@ -38,7 +47,7 @@ def per_stream_counters() -> None:
     bufs = {}
 
     def counters(n: int, device) -> torch.Tensor:
-        key = torch.cuda.current_stream(device).stream_id
+        key = current_stream(device).stream_id
         if key not in bufs or bufs[key].numel() < n:
             bufs[key] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
         return bufs[key]
@@ -58,9 +67,9 @@ def profile_replay(g, dev, n: int, wall_ms: float, path: str) -> None:
     between kernels), the largest kernels by name."""
     import json
 
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[profiler_activity(dev)]) as prof:
         for _ in range(5):
             g.replay()
         synchronize(dev)
@@ -114,13 +123,13 @@ def graph_of_parts(model, kv, bs: int, pool, side: list, batch: tuple, parts: in
     g = new_graph(dev)
     outs = []
     with capture(g, dev, pool):
-        main_s = torch.cuda.current_stream(dev)
+        main_s = current_stream(dev)
         if streams:  # fork every side stream before the first part is issued
             for j in range(1, parts):
                 side[j].wait_stream(main_s)
         for j, (sg, m, s) in enumerate(zip(sgs, metas, sizes)):
             if streams and j:
-                with torch.cuda.stream(side[j]):
+                with on_stream(side[j]):
                     outs.append(sg._forward("decode", s, m))
             else:
                 outs.append(sg._forward("decode", s, m))
@@ -156,7 +165,7 @@ def main() -> None:
         k.normal_()
         v.normal_()
     pool = graph_pool(dev)
-    side = [torch.cuda.Stream(dev) for _ in range(max(a.parts))]
+    side = [new_stream(dev) for _ in range(max(a.parts))]
     print(
         f"{'batch':>5s} {'parts':>5s} {'one graph ms':>12s} {'parts, one stream':>17s} {'parts, streams':>14s}"
     )

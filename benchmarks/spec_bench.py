@@ -35,12 +35,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))  # conftest, which test_speculative imports
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "engine"))
 from cpu_step_timeline import add_timer  # noqa: E402
 from model_shapes import SHAPES, write_tokenizer  # noqa: E402
 from test_speculative import COPY_PROMPT as COPY  # noqa: E402  (the copy-heavy prompt the CPU test uses)
 
 from arcserve import LLM, SamplingParams  # noqa: E402
+from arcserve.platform import profiler_activity, synchronize, timing_event  # noqa: E402
 
 N = 256
 QWEN3_4B = dict(SHAPES["qwen3-0.6b"], hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
@@ -65,9 +67,10 @@ def run(llm: LLM, prompt, label: str, profile: bool = False) -> dict:
         import torch
         from torch.profiler import ProfilerActivity
 
-        with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        acts = [ProfilerActivity.CPU, profiler_activity(llm.llm_engine.device)]
+        with torch.profiler.profile(activities=acts) as prof:
             llm.generate(prompt, sp, use_tqdm=False)
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18), flush=True)
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=18), flush=True)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
     m0 = llm.get_metrics()
     took = []
@@ -93,8 +96,6 @@ def phases(llm: LLM, prompt, label: str) -> None:
     (whose tracing slows graph launches)."""
     import collections
 
-    import torch
-
     from arcserve.engine import runner as runner_mod
 
     eng = llm.llm_engine
@@ -110,13 +111,13 @@ def phases(llm: LLM, prompt, label: str) -> None:
                  (eng.scheduler, "schedule", timed(eng.scheduler, "schedule", "schedule")),
                  (eng.runner, "launch", timed(eng.runner, "launch", "launch (all)")),
                  (eng.runner, "_host_inputs", timed(eng.runner, "_host_inputs", "launch: host inputs")),
-                 (eng.runner, "sampler", timed(eng.runner, "sampler", "launch: sampler (host)")),
+                 (eng.runner, "sample", timed(eng.runner, "sample", "launch: sample (host)")),
                  (runner_mod, "wait_event", timed(runner_mod, "wait_event", "finish: wait for device"))]
     g = eng.runner.graphs
     run0 = g.run
 
     def run(key, h, last):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a, b = timing_event(eng.device), timing_event(eng.device)
         a.record()
         t = time.perf_counter()
         out = run0(key, h, last)
@@ -131,7 +132,7 @@ def phases(llm: LLM, prompt, label: str) -> None:
     t = time.perf_counter()
     llm.generate(prompt, sp, use_tqdm=False)
     wall = time.perf_counter() - t
-    torch.cuda.synchronize()
+    synchronize(eng.device)
     g.run = run0
     for obj, name, f in originals:
         setattr(obj, name, f)
@@ -149,8 +150,8 @@ def graph_kernels(llm: LLM, keys) -> None:
     """Device time of each captured graph replayed back to back (its inputs as the last step left
     them), and its kernels by device time."""
     import torch
-    from torch.profiler import ProfilerActivity
 
+    dev = llm.llm_engine.device
     g = llm.llm_engine.runner.graphs
     for key in keys:
         if key not in g.graphs:
@@ -158,19 +159,19 @@ def graph_kernels(llm: LLM, keys) -> None:
         graph = g.graphs[key][0]
         for _ in range(5):
             graph.replay()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        synchronize(dev)
+        a, b = timing_event(dev), timing_event(dev)
         a.record()
         for _ in range(50):
             graph.replay()
         b.record()
-        torch.cuda.synchronize()
+        synchronize(dev)
         print(f"== graph {key}: {a.elapsed_time(b) / 50 * 1000:.1f} us per replay (50 back to back)", flush=True)
-        with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.profile(activities=[profiler_activity(dev)]) as prof:
             for _ in range(10):
                 graph.replay()
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14), flush=True)
+            synchronize(dev)
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=14), flush=True)
 
 
 def scale_tail(llm: LLM, keep: int, s: float) -> None:

@@ -1,8 +1,10 @@
-"""Host-side settings of platform.py that change what the process does."""
+"""platform.py: host-side settings that change what the process does, and the device helpers benchmarks use."""
 
 import platform
 import subprocess
 import sys
+
+import pytest
 
 # A fresh interpreter allocates 16 MB with glibc's malloc, with and without the CPU engine's setting,
 # and prints how many blocks malloc has mapped on their own before and after (mallinfo().hblks).
@@ -36,3 +38,54 @@ def test_keep_host_memory_mapped_serves_step_sized_buffers_from_the_heap():
         return
     assert _probe("off") == ["None", "1"]
     assert _probe("on") == ["True", "0"]
+
+
+@pytest.mark.gpu
+def test_side_streams_and_timing_events_on_the_gpu():
+    """The stream and event helpers the GPU benchmarks use: work issued on a side stream runs there
+    and is ordered by wait_stream, a timing event pair measures it, the profiler sees its kernels."""
+    import torch
+    from torch.profiler import profile
+
+    from arcserve.platform import (
+        current_stream,
+        new_stream,
+        on_stream,
+        profiler_activity,
+        resolve_device,
+        synchronize,
+        timing_event,
+    )
+
+    dev = resolve_device("auto")
+    if dev.type == "cpu":
+        pytest.skip("needs a GPU")
+    x = torch.randn(2048, 2048, device=dev)
+    main, side = current_stream(dev), new_stream(dev)
+    assert side != main
+    side.wait_stream(main)
+    a, b = timing_event(dev), timing_event(dev)
+    with on_stream(side):
+        assert current_stream(dev) == side
+        a.record()
+        y = x @ x
+        b.record()
+    assert current_stream(dev) == main
+    main.wait_stream(side)
+    synchronize(dev)
+    assert torch.allclose(y, (x.double() @ x.double()).float(), rtol=1e-3, atol=1e-2)
+    assert a.elapsed_time(b) > 0
+    with profile(activities=[profiler_activity(dev)]) as prof:
+        x @ x
+        synchronize(dev)
+    assert any(e.device_type != torch.autograd.DeviceType.CPU for e in prof.key_averages())
+
+
+def test_profiler_activity_names_no_device_kernels_on_the_cpu():
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    from arcserve.platform import profiler_activity
+
+    assert profiler_activity(torch.device("cpu")) is None
+    assert profiler_activity(torch.device("cuda")) == ProfilerActivity.CUDA
