@@ -19,12 +19,51 @@ _SAMPLING_KEYS = {
 }
 
 
+# tokenizer_config.json classes that name transformers' generic tokenizers-backed tokenizer.
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def generic_tokenizer_class(path: str):
+    """transformers' generic tokenizers-backed class where AutoTokenizer would pick it for the folder
+    `path`, found without AutoConfig: the folder names a generic class in tokenizer_config.json, has a
+    tokenizer.json and no code of its own, and its model type has no tokenizer class of its own nor a
+    known-wrong declared one. Else None (AutoTokenizer decides). AutoTokenizer reads the model's
+    configuration through AutoConfig, whose imports alone take ~5 s (transformers 5: its model-loading
+    modules); SmolLM2 (the demo model) and the Llama-3 family declare the generic class."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            declared = json.load(f)
+        with open(os.path.join(path, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if (not isinstance(declared, dict) or declared.get("tokenizer_class") not in _GENERIC_TOKENIZERS
+            or "auto_map" in declared or not os.path.isfile(os.path.join(path, "tokenizer.json"))):  # fmt: skip
+        return None
+    try:  # (transformers 5; 4.x has neither name: AutoTokenizer then)
+        from transformers import TokenizersBackend
+        from transformers.models.auto.tokenization_auto import (
+            MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS,
+            TOKENIZER_MAPPING_NAMES,
+        )
+    except ImportError:
+        return None
+    if model_type in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS:
+        return None
+    if TOKENIZER_MAPPING_NAMES.get(model_type) not in (None, *_GENERIC_TOKENIZERS):
+        return None
+    return TokenizersBackend
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     """trust_remote_code: let a tokenizer that ships its own Python code run it (vLLM's flag; model
     architectures are arcserve's own either way)."""
-    from transformers import AutoTokenizer
-
     try:
+        generic = generic_tokenizer_class(path)
+        if generic is not None:
+            return generic.from_pretrained(path)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises many kinds; name the folder and the cause
         raise ValueError(
