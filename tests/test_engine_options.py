@@ -108,19 +108,21 @@ def test_cli_takes_vllms_spellings(capsys):
     assert a.trust_remote_code is True and a.tensor_parallel_size == 1
 
 
-def test_vllm_constructor_arguments(llama_dir, monkeypatch):
+def test_vllm_constructor_arguments(tiny_dirs, monkeypatch):
     """LLM() takes vLLM's trust_remote_code (handed to the tokenizer: model code is never run) and
-    tensor_parallel_size (1; more is refused: one device per model)."""
+    tensor_parallel_size (1; more is refused: one device per model). The Qwen3 folder's tokenizer is
+    one that AutoTokenizer picks (hf_files.generic_tokenizer_class leaves it to AutoTokenizer)."""
     import transformers
 
     seen = []
     real = transformers.AutoTokenizer.from_pretrained
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
                         lambda path, **kw: seen.append(kw.get("trust_remote_code")) or real(path, **kw))  # fmt: skip
-    llm = LLM(str(llama_dir), dtype="float32", trust_remote_code=True, tensor_parallel_size=1, max_model_len=64)
+    folder = str(tiny_dirs["qwen3"])
+    llm = LLM(folder, dtype="float32", trust_remote_code=True, tensor_parallel_size=1, max_model_len=64)
     assert seen == [True] and llm.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
-        EngineArgs(model=str(llama_dir), tensor_parallel_size=2)
+        EngineArgs(model=folder, tensor_parallel_size=2)
 
 
 def test_cpu_default_budget_is_shared_with_the_decode_mirror(llama_dir, monkeypatch, caplog):
