@@ -28,8 +28,9 @@ def generic_tokenizer_class(path: str):
     `path`, found without AutoConfig: the folder names a generic class in tokenizer_config.json, has a
     tokenizer.json and no code of its own, and its model type has no tokenizer class of its own nor a
     known-wrong declared one. Else None (AutoTokenizer decides). AutoTokenizer reads the model's
-    configuration through AutoConfig, whose imports alone take ~5 s (transformers 5: its model-loading
-    modules); SmolLM2 (the demo model) and the Llama-3 family declare the generic class."""
+    configuration through AutoConfig, whose imports (transformers 5: its model-loading modules) cost
+    SmolLM2's tokenizer 4.0-4.2 s against 2.5 s this way (2-vCPU VM, docs/BENCHMARKS.md session 44);
+    SmolLM2 (the demo model) and the Llama-3 family declare the generic class."""
     try:
         with open(os.path.join(path, "tokenizer_config.json")) as f:
             declared = json.load(f)
