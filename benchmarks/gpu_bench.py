@@ -127,12 +127,12 @@ def record_steps(profile: str | None = None) -> StepLog:
     import torch
 
     from arcserve.engine import runner
-    from arcserve.platform import profiler_activity
+    from arcserve.platform import profiler_activity, resolve_device
 
     steps, orig = StepLog(), runner.StepHandle.result
     lo, hi = map(int, profile.split(":")) if profile else (-1, -1)
-    dev = torch.device(torch.accelerator.current_accelerator().type)
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, profiler_activity(dev)])
+    acts = [torch.profiler.ProfilerActivity.CPU, profiler_activity(resolve_device("auto"))]
+    prof = torch.profiler.profile(activities=acts)
 
     def result(self):
         if len(steps) == lo:

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import DEVICE
 
 # A fresh interpreter allocates 16 MB with glibc's malloc, with and without the CPU engine's setting,
 # and prints how many blocks malloc has mapped on their own before and after (mallinfo().hblks).
@@ -52,32 +53,28 @@ def test_side_streams_and_timing_events_on_the_gpu():
         new_stream,
         on_stream,
         profiler_activity,
-        resolve_device,
         synchronize,
         timing_event,
     )
 
-    dev = resolve_device("auto")
-    if dev.type == "cpu":
-        pytest.skip("needs a GPU")
-    x = torch.randn(2048, 2048, device=dev)
-    main, side = current_stream(dev), new_stream(dev)
+    x = torch.randn(2048, 2048, device=DEVICE)
+    main, side = current_stream(DEVICE), new_stream(DEVICE)
     assert side != main
     side.wait_stream(main)
-    a, b = timing_event(dev), timing_event(dev)
+    a, b = timing_event(DEVICE), timing_event(DEVICE)
     with on_stream(side):
-        assert current_stream(dev) == side
+        assert current_stream(DEVICE) == side
         a.record()
         y = x @ x
         b.record()
-    assert current_stream(dev) == main
+    assert current_stream(DEVICE) == main
     main.wait_stream(side)
-    synchronize(dev)
+    synchronize(DEVICE)
     assert torch.allclose(y, (x.double() @ x.double()).float(), rtol=1e-3, atol=1e-2)
     assert a.elapsed_time(b) > 0
-    with profile(activities=[profiler_activity(dev)]) as prof:
+    with profile(activities=[profiler_activity(DEVICE)]) as prof:
         x @ x
-        synchronize(dev)
+        synchronize(DEVICE)
     assert any(e.device_type != torch.autograd.DeviceType.CPU for e in prof.key_averages())
 
 

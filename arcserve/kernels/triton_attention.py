@@ -37,13 +37,13 @@ from arcserve.platform import (
 
 @triton.jit
 def _attn_trips(
-    acc, m_i, l_i, q, lo, hi,
-    k_cache_ptr, v_cache_ptr, table_ptr, kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    acc, m_i, l_i, q, lo, hi, k_head, v_head, table_ptr, stride_kb, stride_ks, stride_vb, stride_vs,
     d, d_ok, qk_scale, qpos, window,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over KV positions [lo, hi) in trips of BLOCK_N (lo on a trip boundary).
+    """Online softmax over KV positions [lo, hi) in trips of BLOCK_N (lo on a trip boundary) of one
+    KV head (k_head, v_head: the caches at its offset; table_ptr: the sequence's block table).
     MASKED=False: the caller guarantees every row sees every position of every trip, so neither the
     range, the causal order nor a row with nothing visible yet needs a test."""
     n_off = tl.arange(0, BLOCK_N)
@@ -55,8 +55,8 @@ def _attn_trips(
         else:
             blk = tl.load(table_ptr + kpos // BLOCK_SIZE).to(tl.int64)
         slot = kpos % BLOCK_SIZE
-        k_ptrs = k_cache_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :]
-        v_ptrs = v_cache_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :]
+        k_ptrs = k_head + blk[:, None] * stride_kb + slot[:, None] * stride_ks + d[None, :]
+        v_ptrs = v_head + blk[:, None] * stride_vb + slot[:, None] * stride_vs + d[None, :]
         if MASKED:
             k = tl.load(k_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
@@ -69,7 +69,7 @@ def _attn_trips(
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        elif k_cache_ptr.dtype.element_ty != q.dtype:  # an 8-bit cache: to float16
+        elif k_head.dtype.element_ty != q.dtype:  # an 8-bit cache: to float16
             k = k.to(tl.float16)
             v = v.to(tl.float16)
         if DOT_F32:
@@ -172,22 +172,22 @@ def _attn_kernel(
     acc = tl.zeros([M, HEAD_PAD], tl.float32)
     qk_scale = scale * 1.4426950408889634  # scores in log2 units: exp2 in the loop, one multiply
     table_ptr = block_tables_ptr + b * stride_bt
+    k_head, v_head = k_cache_ptr + kvh * stride_kh, v_cache_ptr + kvh * stride_vh
     # Trips every row of the tile sees whole (at or before its first token's position, before hi)
-    # skip the causal and range masks; the rest (the diagonal, the range's end, a window) take them.
+    # skip the causal and range masks (DIAG_ONLY); the rest (the diagonal, the range's end, a window)
+    # take them.
     mid = lo
     if DIAG_ONLY and not USE_WINDOW:
         mid = lo + tl.maximum(tl.minimum(hi, prefix + q0 + 1) - lo, 0) // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _attn_trips(
+            acc, m_i, l_i, q, lo, mid, k_head, v_head, table_ptr, stride_kb, stride_ks, stride_vb, stride_vs,
+            d, d_ok, qk_scale, qpos, window, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, HEAD_PAD=HEAD_PAD,
+            HEAD_DIM=HEAD_DIM, MASKED=False, USE_WINDOW=USE_WINDOW, DOT_F32=DOT_F32,
+        )  # fmt: skip
     acc, m_i, l_i = _attn_trips(
-        acc, m_i, l_i, q, lo, mid, k_cache_ptr, v_cache_ptr, table_ptr, kvh, stride_kb, stride_ks, stride_kh,
-        stride_vb, stride_vs, stride_vh, d, d_ok, qk_scale, qpos, window,
-        BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, HEAD_PAD=HEAD_PAD, HEAD_DIM=HEAD_DIM, MASKED=False,
-        USE_WINDOW=USE_WINDOW, DOT_F32=DOT_F32,
-    )  # fmt: skip
-    acc, m_i, l_i = _attn_trips(
-        acc, m_i, l_i, q, mid, hi, k_cache_ptr, v_cache_ptr, table_ptr, kvh, stride_kb, stride_ks, stride_kh,
-        stride_vb, stride_vs, stride_vh, d, d_ok, qk_scale, qpos, window,
-        BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, HEAD_PAD=HEAD_PAD, HEAD_DIM=HEAD_DIM, MASKED=True,
-        USE_WINDOW=USE_WINDOW, DOT_F32=DOT_F32,
+        acc, m_i, l_i, q, mid, hi, k_head, v_head, table_ptr, stride_kb, stride_ks, stride_vb, stride_vs,
+        d, d_ok, qk_scale, qpos, window, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, HEAD_PAD=HEAD_PAD,
+        HEAD_DIM=HEAD_DIM, MASKED=True, USE_WINDOW=USE_WINDOW, DOT_F32=DOT_F32,
     )  # fmt: skip
 
     out_rows = q_start + tok
