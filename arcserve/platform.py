@@ -303,6 +303,22 @@ def profiler_activity(device: torch.device):
     return {"cuda": ProfilerActivity.CUDA, "xpu": getattr(ProfilerActivity, "XPU", None)}.get(device.type)
 
 
+def blas_libraries(device: torch.device) -> tuple[str, ...]:
+    """The matrix-product libraries torch can be told to prefer on `device` (first: torch's own pick
+    between them), for benchmarks that compare them; () where there is no choice."""
+    if device.type == "cuda" and torch.version.hip is None:
+        return ("default", "cublas", "cublaslt")
+    return ()
+
+
+def prefer_blas_library(device: torch.device, name: str) -> None:
+    """Make torch's products on `device` prefer `name`, one of blas_libraries(device)."""
+    if name not in blas_libraries(device):
+        raise ValueError(f"{name!r} is not a matrix-product library torch can prefer on {device} "
+                         f"(choices: {', '.join(blas_libraries(device)) or 'none'})")  # fmt: skip
+    torch.backends.cuda.preferred_blas_library(name)
+
+
 def new_event(device: torch.device):
     """An event recorded on the device's current stream now (None on the CPU, where work is done when
     issued). wait_event(event) blocks the host until the device has passed it."""

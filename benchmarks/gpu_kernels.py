@@ -24,6 +24,8 @@ gaps do not count), over enough copies of its inputs to miss the L2 cache.
                                                        # a plain Triton GEMM (an experiment, not in arcserve)
     python benchmarks/gpu_kernels.py batch-gemm-wide   # the same at 64-256 rows with row tiles up to 256
     python benchmarks/gpu_kernels.py batch-gemm-splitk # the same with K split over programs (64-256 rows)
+    python benchmarks/gpu_kernels.py blas-libs         # the same products (8-8,192 rows) under each library
+                                                       # torch can prefer, weights [out, in] and [in, out]
 """
 
 from __future__ import annotations
@@ -656,6 +658,39 @@ def batch_gemm(wide: bool = False) -> None:
         print(f"rows {m:3d} one layer's four products: cuBLAS {lib_total:.2f} us, Triton's best single setting {setting} {total:.2f} us")
 
 
+def blas_libs() -> None:
+    """Qwen3-0.6B's four decoder products at 8-256 rows (decode steps) and 8,192 (a mixed step) under
+    each matrix-product library torch can prefer here, with the weights as the engine keeps them
+    ([out, in], F.linear) and stored transposed ([in, out], x @ w): us per product, per layer."""
+    from arcserve.platform import blas_libraries, prefer_blas_library
+
+    libs = blas_libraries(DEV)
+    if not libs:
+        sys.exit(f"torch offers no choice of matrix-product library on {DEV}")
+    mats = {name: copies(lambda n=n, k=k: torch.randn(n, k, device=DEV, dtype=BF16) * 0.02, 2 * n * k)
+            for name, (n, k) in QWEN3_06B_MATRICES.items()}  # fmt: skip
+    mats_t = {name: [w.t().contiguous() for w in ws] for name, ws in mats.items()}
+    print(f"{'rows':>5s} {'library':9s} {'layout':6s} " + " ".join(f"{n:>8s}" for n in mats) + "   layer us")
+    for m in (8, 32, 64, 128, 192, 256, 8192):
+        xs = {name: torch.randn(m, k, device=DEV, dtype=BF16) for name, (_, k) in QWEN3_06B_MATRICES.items()}
+        refs = {name: (xs[name].double() @ mats[name][0].double().t()) for name in mats}
+        for lib in libs:
+            prefer_blas_library(DEV, lib)
+            for layout in ("[o,i]", "[i,o]"):
+                row = []
+                for name in mats:
+                    x = xs[name]
+                    if layout == "[o,i]":
+                        fns = [lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in mats[name]]
+                    else:
+                        fns = [lambda w=w, x=x: x @ w for w in mats_t[name]]
+                    err = ((fns[0]().double() - refs[name]).norm() / refs[name].norm()).item()
+                    assert err < 1e-2, (m, lib, layout, name, err)
+                    row.append(graph_time(fns))
+                print(f"{m:5d} {lib:9s} {layout:6s} " + " ".join(f"{us:8.2f}" for us in row) + f"   {sum(row):8.2f}")
+    prefer_blas_library(DEV, libs[0])
+
+
 @triton.jit
 def _mm_splitk(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K_PER, stride_xm, stride_wn, stride_ym,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
@@ -852,6 +887,8 @@ def main() -> None:
         return attention_order()
     if sys.argv[1:] == ["attention-splits"]:
         return attention_splits()
+    if sys.argv[1:] == ["blas-libs"]:
+        return blas_libs()
     if sys.argv[1:] == ["batch-gemm-splitk"]:
         return batch_gemm_splitk()
     if sys.argv[1:] in (["batch-gemm"], ["batch-gemm-wide"]):

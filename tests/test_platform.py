@@ -86,3 +86,39 @@ def test_profiler_activity_names_no_device_kernels_on_the_cpu():
 
     assert profiler_activity(torch.device("cpu")) is None
     assert profiler_activity(torch.device("cuda")) == ProfilerActivity.CUDA
+
+
+def test_no_matrix_product_library_to_prefer_on_the_cpu():
+    import torch
+
+    from arcserve.platform import blas_libraries, prefer_blas_library
+
+    assert blas_libraries(torch.device("cpu")) == ()
+    with pytest.raises(ValueError, match="not a matrix-product library.*choices: none"):
+        prefer_blas_library(torch.device("cpu"), "default")
+
+
+@pytest.mark.gpu
+def test_each_preferred_matrix_product_library_multiplies_correctly():
+    """The libraries blas-libs compares: each one, once preferred, gives a product within bf16's
+    error of float64's, and torch's own pick comes back after."""
+    import torch
+
+    from arcserve.platform import blas_libraries, prefer_blas_library
+
+    libs = blas_libraries(DEVICE)
+    if DEVICE.type == "cuda" and torch.version.hip is None:
+        assert libs[0] == "default" and len(libs) > 1
+    with pytest.raises(ValueError, match="not a matrix-product library"):
+        prefer_blas_library(DEVICE, "no-such-library")
+    x = torch.randn(64, 1024, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(3072, 1024, device=DEVICE, dtype=torch.bfloat16)
+    ref = x.double() @ w.double().t()
+    try:
+        for lib in libs:
+            prefer_blas_library(DEVICE, lib)
+            y = torch.nn.functional.linear(x, w)
+            assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-2, lib
+    finally:
+        if libs:
+            prefer_blas_library(DEVICE, libs[0])
