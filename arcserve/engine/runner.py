@@ -24,7 +24,7 @@ import torch
 from arcserve.config import KV_CACHE_DTYPES
 from arcserve.engine.sampler import Sampler, num_sampled
 from arcserve.engine.scheduler import SchedulerOutput
-from arcserve.engine.step_graphs import StepGraphs, decode_sizes, feed_tokens
+from arcserve.engine.step_graphs import StepGraphs, decode_sizes, feed_tokens, warm_feed_tokens
 from arcserve.kernels.reference import AttentionMetadata
 from arcserve.models.decoder import DecoderModel
 from arcserve.outputs import Logprob
@@ -249,6 +249,8 @@ class ModelRunner:
             log.info("%sCompiled them in %.1f s", what, time.time() - t0)
         if sampler and dev.type != "cpu" and self.model.ops.name == "triton":  # (Triton compiles at first launch)
             self.sampler.warm_up(self.model.cfg.vocab_size, self.model.dtype)
+        if dev.type != "cpu":  # (eager steps' token ids and indices: int64, indices from the host)
+            warm_feed_tokens(torch.zeros(2, dtype=torch.long, device=dev))
 
     def graphs_possible(self, enforce_eager: bool) -> bool:
         """Graphs need a GPU that has them and attention that plans on the device (the Triton
