@@ -38,6 +38,7 @@ from arcserve.engine.penalties import PenaltyState, flat
 from arcserve.engine.request import Request
 from arcserve.kernels import reference
 from arcserve.platform import pin_memory_available, to_device
+from arcserve.sampling_params import SamplingParams
 
 _M64 = (1 << 64) - 1
 
@@ -139,6 +140,16 @@ def apply_top_k_top_p_min_p(
     return logits
 
 
+# The batches Sampler.warm_up samples: every filter and logprobs over all rows, alone and as a pair;
+# a greedy row with logprobs beside a top-p row (some rows' logprobs, greedy beside sampled); min-p
+# alone and top-k alone (paths without the sort or without the cumulative sum).
+_FILTERED = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, logprobs=2)
+_WARM_UP_BATCHES = (
+    [_FILTERED], [_FILTERED, _FILTERED],
+    [SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=0.8, top_p=0.9)],
+    [SamplingParams(temperature=0.8, min_p=0.1)], [SamplingParams(temperature=0.8, top_k=20)],
+)  # fmt: skip
+
 # Columns of the per-row float parameters, copied to the device as one array.
 _TEMP, _INV_T, _TOP_P, _MIN_P, _TOP_K, _U = range(6)
 # What a row needs beyond plain sampling, as bits of its flags.
@@ -194,6 +205,17 @@ class Sampler:
         # rows and slots as separate (16-byte aligned) tensors, as apply() hands them over
         rows, slots = (torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(2))
         pen.kernel(x, rows, pen.counts, pen.prompt, slots, pen.params)
+        # torch's own kernels for the filters (sort, cumsum, scatter) and for logprobs (log_softmax,
+        # topk) load at their first launch, which stalled the first request that used them while
+        # every running request waited (H200: ~170 ms for top-k/top-p, ~120 ms for logprobs): take
+        # those paths now, one row and two, leaving the engine's generator where it was.
+        state = self.rng.bit_generator.state
+        try:
+            for batch in _WARM_UP_BATCHES:
+                reqs = [Request(f"warm-up-{i}", [0], p, max_tokens=1) for i, p in enumerate(batch)]
+                self(x[: len(reqs)].to(dtype), reqs)
+        finally:
+            self.rng.bit_generator.state = state
 
     def _penalty_state(self, vocab: int) -> PenaltyState:
         if self.penalties is None:

@@ -395,9 +395,10 @@ def test_penalties_in_sampler_change_the_choice():
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])  # (Triton: in CI under the interpreter)
 def test_warm_up_leaves_no_trace(kernels):
-    """Sampler.warm_up (at startup on GPUs) launches the sampling and penalty kernels and makes the
-    penalties' table: afterwards the table is all zeros, every slot free, and penalized and plain
-    sampling draw exactly what a sampler without the warm-up draws."""
+    """Sampler.warm_up (at startup on GPUs) launches the sampling and penalty kernels, samples
+    batches through the filters and logprobs, and makes the penalties' table: afterwards the table
+    is all zeros, every slot free, and penalized, plain and unseeded filtered sampling draw exactly
+    what a sampler without the warm-up draws (its generator is where it was)."""
     from conftest import DEVICE
 
     from arcserve.kernels import get_ops
@@ -406,11 +407,12 @@ def test_warm_up_leaves_no_trace(kernels):
     ops = get_ops(kernels, dev)
     V = 300
     g = torch.Generator().manual_seed(5)
-    logits = torch.randn(4, V, generator=g).to(dev)
+    logits = torch.randn(5, V, generator=g).to(dev)
     pen = SamplingParams(temperature=0.9, repetition_penalty=1.4, frequency_penalty=0.3, presence_penalty=0.6)
     reqs = [make_req(pen, prompt=[3, 9, 9], output=[7, 7, 2], seed=1), make_req(SamplingParams(temperature=0.7), seed=2),
             make_req(pen, prompt=[7], output=[3], seed=3), make_req(SamplingParams(temperature=0, presence_penalty=2.0),
-                                                                     prompt=[1], output=[int(logits[3].argmax())])]  # fmt: skip
+                                                                     prompt=[1], output=[int(logits[3].argmax())]),
+            make_req(SamplingParams(temperature=1.5, top_p=0.99))]  # fmt: skip (unseeded: the generator's draw)
     warm = Sampler(dev, 0, ops.sample_from_cdf, ops.apply_penalties, penalty_slots=4)
     warm.warm_up(V, torch.bfloat16)
     t = warm.penalties
