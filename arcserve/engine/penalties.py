@@ -151,9 +151,12 @@ class PenaltyState:
         old = len(self.owner)
         new = old + more
         dev = self.device
-        self.counts = torch.cat([self.counts, torch.zeros(new - old, self.vocab, device=dev)])
-        self.prompt = torch.cat([self.prompt, torch.zeros(new - old, self.vocab, dtype=torch.bool, device=dev)])
-        self.params = torch.cat([self.params, torch.zeros(new - old, 3, device=dev)])
+
+        def grown(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            z = torch.zeros(new - old, t.shape[1], dtype=dtype, device=dev)
+            return z if old == 0 else torch.cat([t, z])  # (the first table: no copy of an empty one)
+
+        self.counts, self.prompt, self.params = grown(self.counts), grown(self.prompt, torch.bool), grown(self.params)
         self.params_host = np.concatenate([self.params_host, np.zeros((new - old, 3), np.float32)])
         self.counted = np.concatenate([self.counted, np.zeros(new - old, np.int64)])
         self.owner += [None] * (new - old)

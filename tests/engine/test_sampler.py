@@ -341,6 +341,22 @@ def penalized(**kw) -> list[float]:
     return logits[0].tolist()
 
 
+def test_the_penalty_table_grows_keeping_the_slots_it_has():
+    """A table made without a size starts at 8 slots and doubles when a step needs more; the slots
+    filled before keep their counts (not filled again), so every row is penalized as it is alone."""
+    V, kw = len(_BASE), dict(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.3)
+    want = penalized(**kw)
+    state = PenaltyState(CPU, V)
+    assert state.counts.shape == (8, V)
+    reqs = [make_req(SamplingParams(**kw), prompt=_PROMPT, output=_OUTPUT) for _ in range(11)]
+    for n in (8, 11):  # the first 8 fill the table; then 3 more make it grow
+        logits = torch.tensor([_BASE] * n)
+        state.apply(logits, reqs[:n], list(range(n)), [len(_OUTPUT)] * n, None)
+        assert all(row == pytest.approx(want) for row in logits.tolist())
+    assert state.counts.shape == state.prompt.shape == (16, V) and state.params.shape == (16, 3)
+    assert state.counted[:11].tolist() == [len(_OUTPUT)] * 11 and sorted(state.free) == list(range(11, 16))
+
+
 def test_repetition_penalty_over_prompt_and_output():
     r = 1.7
     expected = list(_BASE)
