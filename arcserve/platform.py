@@ -304,19 +304,23 @@ def profiler_activity(device: torch.device):
 
 
 def blas_libraries(device: torch.device) -> tuple[str, ...]:
-    """The matrix-product libraries torch can be told to prefer on `device` (first: torch's own pick
-    between them), for benchmarks that compare them; () where there is no choice."""
+    """The matrix-product libraries torch can be told to prefer for `device`'s products ("default":
+    torch's heuristic between the others), for benchmarks that compare them; () where this module
+    offers no choice (CPUs, XPUs; ROCm's are not listed)."""
     if device.type == "cuda" and torch.version.hip is None:
         return ("default", "cublas", "cublaslt")
     return ()
 
 
-def prefer_blas_library(device: torch.device, name: str) -> None:
-    """Make torch's products on `device` prefer `name`, one of blas_libraries(device)."""
+def prefer_blas_library(device: torch.device, name: str) -> str:
+    """Make torch prefer `name` (one of blas_libraries(device)) for the process's products on that
+    kind of device; returns the name preferred before, to restore it with."""
     if name not in blas_libraries(device):
         raise ValueError(f"{name!r} is not a matrix-product library torch can prefer on {device} "
                          f"(choices: {', '.join(blas_libraries(device)) or 'none'})")  # fmt: skip
+    before = torch.backends.cuda.preferred_blas_library().name.lower()
     torch.backends.cuda.preferred_blas_library(name)
+    return before
 
 
 def new_event(device: torch.device):

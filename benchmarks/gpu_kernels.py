@@ -670,6 +670,8 @@ def blas_libs() -> None:
     mats = {name: copies(lambda n=n, k=k: torch.randn(n, k, device=DEV, dtype=BF16) * 0.02, 2 * n * k)
             for name, (n, k) in QWEN3_06B_MATRICES.items()}  # fmt: skip
     mats_t = {name: [w.t().contiguous() for w in ws] for name, ws in mats.items()}
+    initial = prefer_blas_library(DEV, libs[0])  # (what the engine's products run with)
+    print(f"torch's own preference here (the engine's): {initial}")
     print(f"{'rows':>5s} {'library':9s} {'layout':6s} " + " ".join(f"{n:>8s}" for n in mats) + "   layer us")
     for m in (8, 32, 64, 128, 192, 256, 8192):
         xs = {name: torch.randn(m, k, device=DEV, dtype=BF16) for name, (_, k) in QWEN3_06B_MATRICES.items()}
@@ -688,7 +690,7 @@ def blas_libs() -> None:
                     assert err < 1e-2, (m, lib, layout, name, err)
                     row.append(graph_time(fns))
                 print(f"{m:5d} {lib:9s} {layout:6s} " + " ".join(f"{us:8.2f}" for us in row) + f"   {sum(row):8.2f}")
-    prefer_blas_library(DEV, libs[0])
+    prefer_blas_library(DEV, initial)
 
 
 @triton.jit

@@ -101,7 +101,7 @@ def test_no_matrix_product_library_to_prefer_on_the_cpu():
 @pytest.mark.gpu
 def test_each_preferred_matrix_product_library_multiplies_correctly():
     """The libraries blas-libs compares: each one, once preferred, gives a product within bf16's
-    error of float64's, and torch's own pick comes back after."""
+    error of float64's and is reported as the preference; torch's own comes back after."""
     import torch
 
     from arcserve.platform import blas_libraries, prefer_blas_library
@@ -114,11 +114,14 @@ def test_each_preferred_matrix_product_library_multiplies_correctly():
     x = torch.randn(64, 1024, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(3072, 1024, device=DEVICE, dtype=torch.bfloat16)
     ref = x.double() @ w.double().t()
+    initial = None
     try:
         for lib in libs:
-            prefer_blas_library(DEVICE, lib)
+            before = prefer_blas_library(DEVICE, lib)
+            initial = initial or before
             y = torch.nn.functional.linear(x, w)
             assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-2, lib
+            assert prefer_blas_library(DEVICE, lib) == lib  # (what it returns: the one preferred before)
     finally:
-        if libs:
-            prefer_blas_library(DEVICE, libs[0])
+        if initial:
+            prefer_blas_library(DEVICE, initial)

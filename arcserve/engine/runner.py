@@ -236,7 +236,8 @@ class ModelRunner:
         """At startup: capture the step graphs where the device has them (graphs_possible), else
         compile the CPU's decode kernels where they apply (warm_up); logs which and how long it
         took, `what` (e.g. "Draft model: ") in front of each line. Then, on GPUs, the sampler's
-        kernels (Sampler.warm_up), unless `sampler` is False (a draft model, which takes argmaxes)."""
+        kernels (Sampler.warm_up), unless `sampler` is False (a draft model, which takes argmaxes),
+        and feed_tokens' reordering path (warm_feed_tokens)."""
         t0, dev = time.time(), self.device
         if self.graphs_possible(enforce_eager):
             n = self.capture_graphs(max_num_batched_tokens)
@@ -247,7 +248,7 @@ class ModelRunner:
                      "makes later starts faster; --enforce-eager skips them)", what)  # fmt: skip
             self.warm_up()
             log.info("%sCompiled them in %.1f s", what, time.time() - t0)
-        if sampler and dev.type != "cpu" and self.model.ops.name == "triton":  # (Triton compiles at first launch)
+        if sampler and dev.type != "cpu":  # (Triton compiles, and torch's kernels load, at their first launch)
             self.sampler.warm_up(self.model.cfg.vocab_size, self.model.dtype)
         if dev.type != "cpu":  # (eager steps' token ids and indices: int64, indices from the host)
             warm_feed_tokens(torch.zeros(2, dtype=torch.long, device=dev))

@@ -140,15 +140,16 @@ def apply_top_k_top_p_min_p(
     return logits
 
 
-# The batches Sampler.warm_up samples: every filter and logprobs over all rows, alone and as a pair;
-# a greedy row with logprobs beside a top-p row (some rows' logprobs, greedy beside sampled); min-p
-# alone and top-k alone (paths without the sort or without the cumulative sum).
-_FILTERED = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, logprobs=2)
-_WARM_UP_BATCHES = (
-    [_FILTERED], [_FILTERED, _FILTERED],
-    [SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=0.8, top_p=0.9)],
-    [SamplingParams(temperature=0.8, min_p=0.1)], [SamplingParams(temperature=0.8, top_k=20)],
-)  # fmt: skip
+def _warm_up_batches(vocab: int) -> list[list[SamplingParams]]:
+    """The batches Sampler.warm_up samples: every filter and logprobs over all rows, alone and as a
+    pair; a greedy row with logprobs beside a top-p row (some rows' logprobs, greedy beside sampled);
+    min-p alone and top-k alone (paths without the sort or without the cumulative sum)."""
+    every = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, logprobs=min(2, vocab))
+    return [
+        [every], [every, every],
+        [SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=0.8, top_p=0.9)],
+        [SamplingParams(temperature=0.8, min_p=0.1)], [SamplingParams(temperature=0.8, top_k=20)],
+    ]  # fmt: skip
 
 # Columns of the per-row float parameters, copied to the device as one array.
 _TEMP, _INV_T, _TOP_P, _MIN_P, _TOP_K, _U = range(6)
@@ -191,11 +192,12 @@ class Sampler:
 
     @torch.no_grad()  # (not inference_mode: the table must stay an ordinary tensor, updatable outside it)
     def warm_up(self, vocab: int, dtype: torch.dtype) -> None:
-        """At startup, where the kernels compile (Triton on GPUs): launch the sampling kernel over
-        logits in the model's dtype and in float32 (rows that were edited or filtered) and the
-        penalties' kernel, so that none compiles at the first request that needs it (~30 ms with
-        Triton's disk cache warm, far longer cold, while every running request waits); and make
-        the penalties' table now (its memory is set aside at startup anyway)."""
+        """At startup on GPUs, where kernels compile (Triton) or load at their first launch (torch's):
+        launch the sampling kernel over logits in the model's dtype and in float32 (rows that were
+        edited or filtered) and the penalties' kernel, so that none compiles at the first request
+        that needs it (~30 ms with Triton's disk cache warm, far longer cold, while every running
+        request waits); sample through the filters and logprobs; and make the penalties' table now
+        (its memory is set aside at startup anyway)."""
         dev = self.device
         x = torch.randn(2, vocab, device=dev)
         inv_t, u = torch.ones(2, device=dev), torch.full((2,), 0.5, device=dev)
@@ -211,7 +213,7 @@ class Sampler:
         # those paths now, one row and two, leaving the engine's generator where it was.
         state = self.rng.bit_generator.state
         try:
-            for batch in _WARM_UP_BATCHES:
+            for batch in _warm_up_batches(vocab):
                 reqs = [Request(f"warm-up-{i}", [0], p, max_tokens=1) for i, p in enumerate(batch)]
                 self(x[: len(reqs)].to(dtype), reqs)
         finally:

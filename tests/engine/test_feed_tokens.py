@@ -13,12 +13,25 @@ def _ids(n: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randint(1000, 2000, (n,), dtype=dtype, device=DEVICE)
 
 
-def test_a_decode_batch_in_the_previous_order_is_one_slice_copy():
+@pytest.fixture
+def index_copies(monkeypatch) -> list:
+    """The index dtypes of every index_copy_ (feed_tokens' reordering path) made meanwhile."""
+    seen, orig = [], torch.Tensor.index_copy_
+
+    def spy(self, dim, index, source):
+        seen.append(index.dtype)
+        return orig(self, dim, index, source)
+
+    monkeypatch.setattr(torch.Tensor, "index_copy_", spy)
+    return seen
+
+
+def test_a_decode_batch_in_the_previous_order_is_one_slice_copy(index_copies):
     ids, last = _ids(6, torch.int64), _ids(4, torch.int64)
     want = ids.clone()
     want[:4] = last
     feed_tokens(ids, last, np.arange(4), np.arange(4))
-    assert torch.equal(ids, want)
+    assert torch.equal(ids, want) and index_copies == []
 
 
 @pytest.mark.parametrize("device_indices", [False, True])
@@ -38,13 +51,15 @@ def test_reordered_tokens_land_where_the_indices_say(device_indices):
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_warming_the_reordering_path_leaves_the_ids_as_they_were(dtype):
+def test_warming_the_reordering_path_leaves_the_ids_as_they_were(dtype, index_copies):
+    """It takes the index path (one index_copy_, int64 indices as feed_tokens makes them) over
+    either layout, and the ids come out as they went in."""
     ids = _ids(5, dtype)
     want = ids.clone()
     order = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
     warm_feed_tokens(ids, *((order, order) if dtype == torch.int32 else ()))
-    assert torch.equal(ids, want)
+    assert torch.equal(ids, want) and index_copies == [torch.int64]
     one = _ids(1, dtype)
     kept = one.clone()
     warm_feed_tokens(one)  # too short to reorder: nothing happens, nothing fails
-    assert torch.equal(one, kept)
+    assert torch.equal(one, kept) and index_copies == [torch.int64]

@@ -12,6 +12,7 @@ import torch
 from arcserve import LLM, SamplingParams
 from arcserve.engine.penalties import PenaltyState
 from arcserve.engine.request import Request
+from arcserve.engine import sampler as sampler_module
 from arcserve.engine.sampler import Sampler, apply_top_k_top_p_min_p
 from arcserve.sampling_params import GREEDY_EPS
 
@@ -430,13 +431,34 @@ def test_warm_up_leaves_no_trace(kernels):
                                                                      prompt=[1], output=[int(logits[3].argmax())]),
             make_req(SamplingParams(temperature=1.5, top_p=0.99))]  # fmt: skip (unseeded: the generator's draw)
     warm = Sampler(dev, 0, ops.sample_from_cdf, ops.apply_penalties, penalty_slots=4)
-    warm.warm_up(V, torch.bfloat16)
+    calls = {"filters": 0, "topk": 0}
+    filters, topk = sampler_module.apply_top_k_top_p_min_p, torch.Tensor.topk
+
+    def counted(name, fn):
+        def wrapper(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+
+        return wrapper
+
+    with pytest.MonkeyPatch.context() as mp:  # (the warm-up samples through the filters and logprobs)
+        mp.setattr(sampler_module, "apply_top_k_top_p_min_p", counted("filters", filters))
+        mp.setattr(torch.Tensor, "topk", counted("topk", topk))
+        warm.warm_up(V, torch.bfloat16)
+    assert calls["filters"] >= 4 and calls["topk"] >= 2, calls
     t = warm.penalties
     assert t is not None and len(t.owner) == 4 and sorted(t.free) == [0, 1, 2, 3]
     assert not t.counts.any() and not t.prompt.any() and not t.params.any() and not t.counted.any()
     cold = Sampler(dev, 0, ops.sample_from_cdf, ops.apply_penalties, penalty_slots=4)
     got, want = warm(logits.clone(), reqs).tokens.tolist(), cold(logits.clone(), reqs).tokens.tolist()
     assert got == want and got[3] != int(logits[3].argmax())  # (the last row's penalty moved it)
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 3])
+def test_warm_up_takes_tiny_vocabularies(vocab):
+    """The warm-up's logprobs and filters fit any vocabulary a model can have (top-k larger than
+    the vocabulary is off, as for a request)."""
+    Sampler(CPU, 0).warm_up(vocab, torch.bfloat16)
 
 
 # ---- seeds and the sampled distribution ------------------------------------------------------
