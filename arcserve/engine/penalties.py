@@ -152,11 +152,11 @@ class PenaltyState:
         new = old + more
         dev = self.device
 
-        def grown(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            z = torch.zeros(new - old, t.shape[1], dtype=dtype, device=dev)
+        def grown(t: torch.Tensor) -> torch.Tensor:
+            z = t.new_zeros(new - old, t.shape[1])
             return z if old == 0 else torch.cat([t, z])  # (the first table: no copy of an empty one)
 
-        self.counts, self.prompt, self.params = grown(self.counts), grown(self.prompt, torch.bool), grown(self.params)
+        self.counts, self.prompt, self.params = grown(self.counts), grown(self.prompt), grown(self.params)
         self.params_host = np.concatenate([self.params_host, np.zeros((new - old, 3), np.float32)])
         self.counted = np.concatenate([self.counted, np.zeros(new - old, np.int64)])
         self.owner += [None] * (new - old)

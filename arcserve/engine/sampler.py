@@ -210,14 +210,12 @@ class Sampler:
         # torch's own kernels for the filters (sort, cumsum, scatter) and for logprobs (log_softmax,
         # topk) load at their first launch, which stalled the first request that used them while
         # every running request waited (H200: ~170 ms for top-k/top-p, ~120 ms for logprobs): take
-        # those paths now, one row and two, leaving the engine's generator where it was.
-        state = self.rng.bit_generator.state
-        try:
-            for batch in _warm_up_batches(vocab):
-                reqs = [Request(f"warm-up-{i}", [0], p, max_tokens=1) for i, p in enumerate(batch)]
-                self(x[: len(reqs)].to(dtype), reqs)
-        finally:
-            self.rng.bit_generator.state = state
+        # those paths now, one row and two, through a scratch sampler (the engine's generator and
+        # table stay untouched).
+        scratch = Sampler(dev, 0, self.sample_from_cdf, self.apply_penalties)
+        for batch in _warm_up_batches(vocab):
+            reqs = [Request(f"warm-up-{i}", [0], p, max_tokens=1) for i, p in enumerate(batch)]
+            scratch(x[: len(reqs)].to(dtype), reqs)
 
     def _penalty_state(self, vocab: int) -> PenaltyState:
         if self.penalties is None:

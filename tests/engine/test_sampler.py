@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from arcserve import LLM, SamplingParams
+from arcserve.engine import sampler as sampler_module
 from arcserve.engine.penalties import PenaltyState
 from arcserve.engine.request import Request
-from arcserve.engine import sampler as sampler_module
 from arcserve.engine.sampler import Sampler, apply_top_k_top_p_min_p
 from arcserve.sampling_params import GREEDY_EPS
 
